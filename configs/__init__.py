@@ -1,0 +1,27 @@
+"""Typed, validated configuration: engine settings, presets and per-request sampling parameters.
+
+Leaf package: imports nothing else of the project, no torch, no transformers.
+"""
+
+from configs.engine import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    parse_bytes,
+)
+from configs.loader import load_engine_config
+from configs.sampling import SamplingParams, SamplingParamsError
+
+__all__ = [
+    "CacheConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "SamplingParams",
+    "SamplingParamsError",
+    "SchedulerConfig",
+    "ServerConfig",
+    "load_engine_config",
+    "parse_bytes",
+]

@@ -1,0 +1,104 @@
+"""Engine settings: model, KV cache, scheduler and server configuration (pydantic, frozen).
+
+Field names follow vLLM's (`max_num_seqs`, `block_size`, ...) so users' flags transfer. Names are
+unique across sections, so a flat CLI flag or env var maps to exactly one section.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 10**6, "MB": 10**6, "MIB": 2**20,
+          "G": 10**9, "GB": 10**9, "GIB": 2**30, "T": 10**12, "TB": 10**12, "TIB": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse '512MiB', '2GB', '1048576' into a number of bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot parse a byte size from {text!r} (try '512MiB' or '2GiB')")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+
+class ModelConfig(_Section):
+    model: str = Field(DEFAULT_MODEL, description="HF model folder, hub id (offline), or the default model's name")
+    served_model_name: str | None = Field(None, description="name reported by /v1/models (default: the model name)")
+    tokenizer: str | None = Field(None, description="tokenizer folder or id (default: the model's)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="weights and KV cache dtype")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs")
+    max_model_len: int | None = Field(None, ge=1, description="max prompt + output tokens (default: min(model limit, 4096))")
+    trust_remote_code: bool = Field(False, description="allow model code from the model folder")
+    seed: int = Field(0, ge=0, description="global seed for unseeded sampling")
+
+
+class CacheConfig(_Section):
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    kv_cache_memory: str = Field("512MiB", description="KV cache budget on CPU (e.g. 512MiB, 2GiB)")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="fraction of GPU memory for weights + KV on CUDA")
+    num_kv_blocks: int | None = Field(None, ge=1, description="explicit number of KV blocks (overrides the budget)")
+    enable_prefix_caching: bool = Field(True, description="reuse cached KV blocks of identical prompt prefixes")
+    swap_space: str = Field("0", description="host memory for swap-mode preemption (e.g. 1GiB; 0 = off)")
+    attention_backend: Literal["auto", "cpu", "triton", "torch"] = Field("auto", description="paged attention kernel")
+
+    @field_validator("kv_cache_memory", "swap_space")
+    @classmethod
+    def _valid_size(cls, value: str) -> str:
+        parse_bytes(value)
+        return value
+
+
+class SchedulerConfig(_Section):
+    max_num_seqs: int = Field(64, ge=1, description="max requests in one step")
+    max_num_batched_tokens: int = Field(512, ge=1, description="token budget per step (chunked prefill beyond it)")
+    max_waiting_requests: int = Field(1024, ge=1, description="queue length beyond which requests get 429")
+    scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="order of waiting requests")
+    preemption_mode: Literal["recompute", "swap"] = Field("recompute", description="what preemption does with a victim's KV")
+
+
+class ServerConfig(_Section):
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, ge=0, le=65535, description="bind port")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
+    max_request_body_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request body")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+
+class EngineConfig(_Section):
+    """Everything the server and engine need; built by `configs.loader.load_engine_config`."""
+
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    server: ServerConfig = ServerConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineConfig:
+        if self.model.max_model_len is not None and self.scheduler.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        return self
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "server": ServerConfig,
+}
+
+
+def section_of(field_name: str) -> str:
+    """The section that owns a flat field name (e.g. 'block_size' -> 'cache')."""
+    for section, cls in SECTIONS.items():
+        if field_name in cls.model_fields:
+            return section
+    raise KeyError(field_name)
