@@ -1,0 +1,198 @@
+"""`BlockManager`: per-request block tables on top of the `BlockPool`.
+
+Grows tables by exactly the blocks a step needs (all or nothing), shares blocks between requests
+(prefix caching, fork) and un-shares them before a write (copy-on-write). Knows requests only by
+id: it never imports the scheduler. Pure Python, no tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from cache.block_pool import BlockPool
+from cache.block_table import BlockTable, ceil_div
+
+_NO_PARENT = 0  # the chain's seed: the first block of every prompt hashes against it
+
+
+def hash_block(parent_hash: int, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
+    """Chained hash of one full block: equal hashes mean equal prefixes up to and including it."""
+    return hash((parent_hash, tuple(token_ids), extra_key))
+
+
+class BlockManager:
+    """request_id -> BlockTable, with prefix caching and copy-on-write.
+
+    Invariant: each block's ref_count equals the number of tables that hold it
+    (checked by `check_invariants`).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.tables: dict[str, BlockTable] = {}
+        self._block_hashes: dict[str, list[int]] = {}  # chained hashes of each table's cached blocks
+        self._pending_copies: list[tuple[int, int]] = []
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # of which found cached
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether `num_tokens` of context could fit in the whole pool, were it empty."""
+        return ceil_div(num_tokens, self.block_size) <= self.pool.num_blocks
+
+    def get_table(self, request_id: str) -> BlockTable:
+        return self.tables[request_id]
+
+    def block_ids(self, request_id: str) -> list[int]:
+        table = self.tables.get(request_id)
+        return table.block_ids if table is not None else []
+
+    def allocate_cached_prefix(
+        self, request_id: str, token_ids: Sequence[int], extra_key: Hashable = None
+    ) -> int:
+        """Start `request_id`'s table with the longest cached prefix of full blocks.
+
+        The block holding the last token is never taken from the cache: its logits must be
+        computed, so at least one token is always left to run. Mutates ref counts of hit blocks.
+
+        Returns:
+            The number of tokens whose K/V are already cached (a multiple of block_size).
+        """
+        if request_id in self.tables:
+            raise RuntimeError(f"request {request_id} already has a block table")
+        table = BlockTable(self.block_size)
+        hashes: list[int] = []
+        self.tables[request_id], self._block_hashes[request_id] = table, hashes
+        if not self.pool.enable_prefix_caching:
+            return 0
+        self.prefix_cache_queries += len(token_ids)
+        parent = _NO_PARENT
+        for idx in range((len(token_ids) - 1) // self.block_size):
+            chunk = token_ids[idx * self.block_size : (idx + 1) * self.block_size]
+            block_hash = hash_block(parent, chunk, extra_key)
+            block = self.pool.lookup(block_hash, parent, chunk)
+            if block is None:
+                break
+            self.pool.touch(block)
+            table.block_ids.append(block.block_id)
+            hashes.append(block_hash)
+            parent = block_hash
+        num_cached_tokens = len(table) * self.block_size
+        self.prefix_cache_hits += num_cached_tokens
+        return num_cached_tokens
+
+    def allocate_slots(self, request_id: str, num_new_tokens: int, num_computed_tokens: int) -> bool:
+        """Reserve slots for positions [num_computed, num_computed + num_new) of `request_id`.
+
+        ```
+        | computed (cached) | new this step  |  unreserved
+        |<- num_computed -->|<- num_new ---->|
+        [ blk ][ blk ][ blk ][ blk ][ new ]      <- required = ceil((computed + new) / size)
+        ```
+        Also un-shares (copy-on-write) any already reserved block the new tokens write into
+        whose ref_count > 1 or that is in the prefix cache; the (src, dst) copies are collected
+        by `take_block_copies`.
+        Reserving is not computing: no length changes here.
+
+        Returns:
+            True on success; False when the pool is short, in which case nothing changed.
+        """
+        table = self.tables.get(request_id)
+        if table is None:
+            table = BlockTable(self.block_size)
+        shared = self._shared_blocks_in_range(table, num_computed_tokens, num_new_tokens)
+        num_new_blocks = table.num_blocks_needed(num_computed_tokens, num_new_tokens)
+        if num_new_blocks + len(shared) > self.pool.num_free_blocks:
+            return False
+        for idx in shared:
+            self._copy_on_write(table, idx)
+        table.block_ids.extend(block.block_id for block in self.pool.allocate(num_new_blocks))
+        self.tables.setdefault(request_id, table)
+        self._block_hashes.setdefault(request_id, [])
+        return True
+
+    def _shared_blocks_in_range(self, table: BlockTable, start: int, num_tokens: int) -> list[int]:
+        if num_tokens <= 0:
+            return []
+        first, last = start // self.block_size, (start + num_tokens - 1) // self.block_size
+        blocks = self.pool.blocks
+        # Shared blocks, and blocks registered in the prefix cache: a cached block's content is
+        # promised to every future hit, so nobody writes into it in place, not even its sole owner.
+        return [
+            idx
+            for idx in range(first, min(last + 1, len(table)))
+            if blocks[table.block_ids[idx]].ref_count > 1 or blocks[table.block_ids[idx]].block_hash is not None
+        ]
+
+    def _copy_on_write(self, table: BlockTable, idx: int) -> None:
+        old = self.pool.blocks[table.block_ids[idx]]
+        (new,) = self.pool.allocate(1)
+        self._pending_copies.append((old.block_id, new.block_id))
+        self.pool.release(old)
+        table.block_ids[idx] = new.block_id
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies the CacheEngine must run before the next forward pass."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def cache_computed_blocks(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        extra_key: Hashable = None,
+    ) -> None:
+        """Register each block of `request_id` that is now full and computed in the prefix cache."""
+        if not self.pool.enable_prefix_caching:
+            return
+        table, hashes = self.tables[request_id], self._block_hashes[request_id]
+        num_full_blocks = min(num_computed_tokens // self.block_size, len(table))
+        parent = hashes[-1] if hashes else _NO_PARENT
+        for idx in range(len(hashes), num_full_blocks):
+            chunk = token_ids[idx * self.block_size : (idx + 1) * self.block_size]
+            block_hash = hash_block(parent, chunk, extra_key)
+            self.pool.cache(self.pool.blocks[table.block_ids[idx]], block_hash, parent, chunk)
+            hashes.append(block_hash)
+            parent = block_hash
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        """Give `child_id` the parent's blocks covering its first `num_tokens` positions (shared).
+
+        Only those blocks: anything the parent wrote past them (its own outputs) is not the
+        child's history. Ref counts go up; the first write into a shared block copies it.
+        """
+        if child_id in self.tables:
+            raise RuntimeError(f"request {child_id} already has a block table")
+        shared_ids = self.tables[parent_id].block_ids[: ceil_div(num_tokens, self.block_size)]
+        for block_id in shared_ids:
+            self.pool.touch(self.pool.blocks[block_id])
+        self.tables[child_id] = BlockTable(self.block_size, list(shared_ids))
+        num_full_blocks = num_tokens // self.block_size
+        self._block_hashes[child_id] = self._block_hashes[parent_id][:num_full_blocks]
+
+    def free(self, request_id: str) -> None:
+        """Release each of the request's block references once; a no-op for an unknown id."""
+        table = self.tables.pop(request_id, None)
+        self._block_hashes.pop(request_id, None)
+        if table is not None:
+            # Tail first: the tail is the least likely to be shared, so it is evicted first.
+            self.pool.free(self.pool.blocks[block_id] for block_id in reversed(table.block_ids))
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError unless ref counts match the tables exactly (plus the pool's own)."""
+        self.pool.check_invariants()
+        holders = [0] * self.pool.num_blocks
+        for table in self.tables.values():
+            for block_id in table.block_ids:
+                holders[block_id] += 1
+        for block in self.pool.blocks:
+            if block.ref_count != holders[block.block_id]:
+                raise RuntimeError(
+                    f"block {block.block_id}: ref_count {block.ref_count} but held by "
+                    f"{holders[block.block_id]} tables"
+                )
