@@ -1,0 +1,54 @@
+"""The step contract between scheduler and engine: what runs this step, and what came back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.request import RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: run `token_ids` at positions start_position + 0.."""
+
+    request_id: str
+    token_ids: list[int]  # prefill chunk, or the last sampled token for a decode
+    start_position: int  # == num_computed_tokens before this step
+    slot_mapping: list[int]  # KV slot of each new token (from the request's BlockTable)
+    block_ids: list[int]  # the full block table after this step's allocation
+    needs_sample: bool  # False for a non-final prefill chunk
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Context length once this step's tokens are in the cache."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    requests: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted_request_ids: list[str]
+    block_copies: list[tuple[int, int]]  # copy-on-write (src, dst), run before the forward pass
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]  # only for requests with needs_sample
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUpdate:
+    """What one step did to one request: the token it gained and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    status: RequestStatus

@@ -1,0 +1,290 @@
+"""`Scheduler`: continuous batching over a paged KV cache.
+
+Each step, in this order, and why:
+
+1. Fork ready children (n > 1): a choice waiting on its parent's prompt takes a shared copy of
+   the parent's block table once the prompt is computed; copy-on-write splits them on first write.
+2. Running requests first, oldest (or most important) first: each gets its remaining tokens
+   (1 for a decode, the next chunk for a prompt) within the step's token budget, and its block
+   table grows by exactly the blocks those tokens need. Running work goes first so that decodes
+   never stall behind a long prompt; a long prompt is split into chunks (chunked prefill).
+3. When a table cannot grow (the pool is dry), the lowest-priority, latest-arrived running
+   request that is not yet scheduled is preempted (recompute: its blocks are released, its
+   progress reset to 0, its generated tokens kept) and the allocation is retried. If the failing
+   request is itself the victim, it is preempted and waits. No length ever advances for a failed
+   reservation. Because the oldest request can always take blocks from younger ones, and every
+   admitted request fits the pool alone (checked at admission), nothing starves.
+4. Waiting requests are admitted (FCFS, or by priority) while budget, `max_num_seqs` and blocks
+   last, reusing the longest cached prefix; none is admitted in a step that preempted, so a
+   victim is not immediately replaced by a newcomer.
+
+`update_from_output` then advances `num_computed_tokens` by what was computed, appends sampled
+tokens, checks token-level stops and frees finished requests' blocks at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+
+from cache.block_manager import BlockManager
+from cache.block_table import ceil_div
+from configs import SchedulerConfig
+from scheduler.output import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+
+
+class AdmissionError(ValueError):
+    """A request that can never be served (too long for the model or the pool)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+
+
+class Scheduler:
+    """Decides, every step, which requests run and how many tokens each gets."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # kept sorted by _order_key: most important first
+        self.fork_waiting: list[Request] = []  # n > 1 children waiting for their parent's prompt
+        self.num_preemptions = 0
+
+    # ---- admission and removal -------------------------------------------------------------
+
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise AdmissionError unless a request of this size could ever complete."""
+        if num_prompt_tokens < 1:
+            raise AdmissionError("the prompt is empty", "prompt")
+        if num_prompt_tokens >= self.max_model_len:
+            raise AdmissionError(
+                f"the prompt has {num_prompt_tokens} tokens, but this model's context is "
+                f"{self.max_model_len} tokens (prompt + at least 1 output token must fit)", "prompt")
+        # The last sampled token is returned, never fed back: it needs no slot.
+        total = min(num_prompt_tokens + max_tokens - 1, self.max_model_len)
+        if not self.block_manager.can_ever_fit(total):
+            capacity = self.block_manager.pool.num_blocks * self.block_manager.block_size
+            raise AdmissionError(
+                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
+                f"{total} KV slots, but the whole cache holds {capacity}", "max_tokens")
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises AdmissionError (nothing queued) if it can never fit."""
+        self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        if request.request_id in self.requests:
+            raise AdmissionError(f"request id {request.request_id!r} is already in use", "request_id")
+        self.requests[request.request_id] = request
+        if request.parent_request_id is not None:
+            self.fork_waiting.append(request)
+        elif self.config.scheduling_policy == "priority":
+            keys = [self._order_key(r) for r in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, self._order_key(request)), request)
+        else:
+            self.waiting.append(request)
+
+    def _order_key(self, request: Request) -> tuple[int, float]:
+        """Serve order (smaller first); the largest running key is preempted first.
+
+        FCFS ignores `priority`: the oldest request always goes first, which is what makes the
+        no-starvation argument hold. The priority policy serves lower values first, then FCFS.
+        """
+        if self.config.scheduling_policy == "priority":
+            return (request.priority, request.arrival_time)
+        return (0, request.arrival_time)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request from any state (abort, stop string, error); frees its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for queue in (self.running, self.fork_waiting):
+            if request in queue:
+                queue.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.block_manager.free(request_id)
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.fork_waiting)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        self._fork_ready_children()
+
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if self._reserve_or_preempt(request, num_new_tokens, preempted):
+                scheduled.append(self._plan(request, num_new_tokens))
+                token_budget -= num_new_tokens
+                index += 1
+            # else: `request` itself was preempted and left `running`; the same index is next.
+
+        while self.waiting and token_budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not self._admit(request, token_budget):
+                break
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            scheduled.append(self._plan(request, num_new_tokens))
+            token_budget -= num_new_tokens
+
+        return SchedulerOutput(
+            requests=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - token_budget,
+            preempted_request_ids=preempted,
+            block_copies=self.block_manager.take_block_copies(),
+        )
+
+    def _reserve_or_preempt(self, request: Request, num_new_tokens: int, preempted: list[str]) -> bool:
+        """Grow `request`'s table for this step, preempting others until it fits (or itself)."""
+        while not self.block_manager.allocate_slots(
+            request.request_id, num_new_tokens, request.num_computed_tokens
+        ):
+            # Victims come from the not-yet-scheduled tail of `running` (sorted, most important first).
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-mode preemption: drop the K/V, keep the tokens, wait at the queue's front."""
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        # Ahead of every waiting request it precedes in serve order (under FCFS: all of them).
+        keys = [self._order_key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_left(keys, self._order_key(request)), request)
+        self.num_preemptions += 1
+
+    def _admit(self, request: Request, token_budget: int) -> bool:
+        """Move the head of `waiting` to `running` if its first chunk gets blocks now."""
+        block_manager = self.block_manager
+        num_cached = block_manager.allocate_cached_prefix(
+            request.request_id, request.all_token_ids, request.cache_salt
+        )
+        num_new_tokens = min(request.num_tokens - num_cached, token_budget)
+        if not block_manager.allocate_slots(request.request_id, num_new_tokens, num_cached):
+            block_manager.free(request.request_id)  # give back the prefix hits: nothing changed
+            return False
+        self.waiting.popleft()
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self._insert_running(request)
+        return True
+
+    def _insert_running(self, request: Request) -> None:
+        keys = [self._order_key(r) for r in self.running]
+        self.running.insert(bisect.bisect_right(keys, self._order_key(request)), request)
+
+    def _fork_ready_children(self) -> None:
+        """Children whose parent has computed its prompt share its blocks; orphans wait normally."""
+        for child in list(self.fork_waiting):
+            parent = self.requests.get(child.parent_request_id or "")
+            if parent is not None and parent.status == RequestStatus.WAITING:
+                continue  # the parent has not started its prompt yet
+            if parent is not None and parent.status == RequestStatus.RUNNING:
+                if parent.num_computed_tokens < parent.num_prompt_tokens:
+                    continue  # prompt still being prefilled
+                if len(self.running) >= self.config.max_num_seqs:
+                    continue
+                self.block_manager.fork(parent.request_id, child.request_id, child.num_prompt_tokens)
+                # Recompute the last prompt token: it yields this choice's own first logits, and its
+                # write into the shared block is what copy-on-write splits.
+                child.num_computed_tokens = child.num_prompt_tokens - 1
+                child.num_cached_tokens = child.num_computed_tokens
+                child.first_scheduled_time = time.monotonic()
+                child.status = RequestStatus.RUNNING
+                self.fork_waiting.remove(child)
+                self._insert_running(child)
+            else:  # parent preempted or gone: serve this choice on its own (the prefix cache helps)
+                self.fork_waiting.remove(child)
+                child.parent_request_id = None
+                self.waiting.appendleft(child)
+
+    def _plan(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        table = self.block_manager.get_table(request.request_id)
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_position=start,
+            slot_mapping=table.slot_mapping(start, end),
+            block_ids=table.block_ids,
+            needs_sample=end == request.num_tokens,
+        )
+
+    # ---- after the forward pass ------------------------------------------------------------
+
+    def update_from_output(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Advance progress by what was computed, append sampled tokens, stop and free finished."""
+        updates = []
+        now = time.monotonic()
+        for scheduled in plan.requests:
+            request = self.requests.get(scheduled.request_id)
+            if request is None:  # finished (aborted) since it was scheduled
+                continue
+            request.num_computed_tokens += scheduled.num_new_tokens
+            self.block_manager.cache_computed_blocks(
+                request.request_id, request.all_token_ids, request.num_computed_tokens, request.cache_salt
+            )
+            if not scheduled.needs_sample:
+                continue
+            token_id = result.sampled_token_ids[request.request_id]
+            request.append_output_token(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+            updates.append(RequestUpdate(request.request_id, [token_id], request.status))
+        return updates
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return ceil_div(num_tokens, self.block_manager.block_size)
