@@ -1,0 +1,58 @@
+"""`CacheEngine`: owns the device KV tensors and executes block copies (copy-on-write).
+
+The only tensor code in `cache/` besides the attention backends. Block ids come from the
+BlockManager; this class never decides which block holds what.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from cache.cache_spec import CacheSpec
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CacheEngine:
+    """Per layer, `key_caches[l]` and `value_caches[l]`: [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, device: torch.device | str) -> None:
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget holds no block (one block needs {spec.bytes_per_block} bytes)"
+            )
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        dtype = _TORCH_DTYPES[spec.dtype]
+        # zeros, not empty: padding slots a kernel may touch must never hold NaNs.
+        self.key_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.value_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.spec.bytes_per_block
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy block `src` to block `dst` in every layer (copy-on-write before a shared block is written)."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        for cache in (*self.key_caches, *self.value_caches):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
+    def describe(self, max_model_len: int) -> str:
+        num_tokens = self.num_blocks * self.spec.block_size
+        blocks_per_request = -(-max_model_len // self.spec.block_size)
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.spec.block_size} tokens = {num_tokens} tokens, "
+            f"{self.num_bytes / 2**20:.1f} MiB ({self.spec.dtype}, {self.spec.bytes_per_block} B/block) on "
+            f"{self.device}; max concurrency at max_model_len {max_model_len}: "
+            f"{self.num_blocks / blocks_per_request:.1f} requests"
+        )

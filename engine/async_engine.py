@@ -1,0 +1,194 @@
+"""`AsyncEngine`: runs the `LLMEngine` step loop on one dedicated thread and bridges it to asyncio.
+
+The event loop sends add/abort commands through a thread-safe queue; the engine thread is the only
+one that touches the scheduler, the block manager and the cache. Each step's deltas come back with
+one `call_soon_threadsafe` into per-request `asyncio.Queue`s. Closing a request's async iterator
+(client gone, task cancelled) aborts it, which frees its blocks within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from configs import EngineConfig, SamplingParams
+from engine.errors import EngineDeadError, EngineOverloadedError
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineStats, RequestDelta
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5  # how long an idle engine thread blocks on its command queue
+
+
+class AsyncEngine:
+    """Implements `engine.client.EngineClient` over a threaded `LLMEngine`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine: LLMEngine | None = None
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, asyncio.Queue[RequestDelta | Exception]] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = threading.Event()
+        self._dead_reason: str | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(config)
+
+    # ---- EngineClient surface --------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.vocab_size
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.tokenizer
+
+    @property
+    def _engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise EngineDeadError("the engine has not been started")
+        return self.engine
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead_reason is None
+
+    async def start(self) -> None:
+        """Load the model (in a worker thread, the event loop stays free), then start the loop."""
+        self._loop = asyncio.get_running_loop()
+        if self.engine is None:
+            self.engine = await asyncio.to_thread(LLMEngine, self.config)
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Abort what is still running (each stream gets its final event), then stop the thread."""
+        if self._thread is None:
+            return
+        for request_id in list(self._streams):
+            self._commands.put(("abort", request_id))
+        self._stopping.set()
+        self._commands.put(("wake", None))
+        await asyncio.to_thread(self._thread.join, timeout_s)
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestDelta]:
+        if not self.is_alive:
+            raise EngineDeadError(self._dead_reason or "the engine is not running")
+        self._engine.validate_request(prompt_token_ids, params)  # raises before anything is queued
+        if len(self._streams) >= self.config.scheduler.max_waiting_requests:
+            raise EngineOverloadedError(f"{len(self._streams)} requests are in flight; retry later")
+        if request_id in self._streams:
+            raise EngineOverloadedError(f"request id {request_id!r} is already in flight")
+        stream: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._commands.put(("add", (request_id, list(prompt_token_ids), params, time.monotonic())))
+        num_finished = 0
+        try:
+            while num_finished < params.n:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    raise item
+                num_finished += item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if num_finished < params.n:  # closed early: client gone, cancelled, or failed
+                self._commands.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats() if self.engine is not None else EngineStats()
+
+    def drain_step_token_counts(self) -> list[int]:
+        counts = self.engine.step_token_counts if self.engine is not None else None
+        drained = []
+        while counts:
+            drained.append(counts.popleft())  # deque pops are atomic: safe across threads
+        return drained
+
+    # ---- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self._engine
+        try:
+            while not self._stopping.is_set() or engine.has_unfinished_requests():
+                deltas = self._apply_commands(block=not engine.has_unfinished_requests())
+                if engine.has_unfinished_requests():
+                    deltas += engine.step()
+                if deltas:
+                    self._deliver(deltas)
+        except BaseException as error:  # noqa: BLE001 - the loop's last line of defence
+            logger.exception("engine loop died")
+            self._dead_reason = f"engine loop died: {type(error).__name__}"
+            self._call_in_loop(self._fail_all, EngineDeadError(self._dead_reason))
+
+    def _apply_commands(self, block: bool) -> list[RequestDelta]:
+        deltas: list[RequestDelta] = []
+        try:
+            command, payload = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            while True:
+                deltas += self._apply(command, payload)
+                command, payload = self._commands.get_nowait()
+        except queue.Empty:
+            return deltas
+
+    def _apply(self, command: str, payload: Any) -> list[RequestDelta]:
+        engine = self._engine
+        if command == "add":
+            request_id, prompt_token_ids, params, arrival_time = payload
+            try:
+                engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+            except Exception as error:  # noqa: BLE001 - reported to that request's stream only
+                self._send_error(request_id, error)
+            return []
+        if command == "abort":
+            return engine.abort_request(payload)
+        return []
+
+    def _send_error(self, request_id: str, error: Exception) -> None:
+        self._call_in_loop(self._put, request_id, error)
+
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
+        self._call_in_loop(self._put_all, deltas)
+
+    def _call_in_loop(self, callback: Any, *args: Any) -> None:
+        try:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            logger.debug("event loop closed; dropped %s", getattr(callback, "__name__", callback))
+
+    def _put_all(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            self._put(delta.request_id, delta)
+
+    def _put(self, request_id: str, item: RequestDelta | Exception) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:  # else the client is gone and its abort is queued
+            stream.put_nowait(item)
+
+    def _fail_all(self, error: Exception) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(error)

@@ -1,0 +1,39 @@
+"""`EngineClient`: the surface the HTTP server uses. `AsyncEngine` implements it; tests may fake it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from configs import SamplingParams
+from engine.outputs import EngineStats, RequestDelta
+
+
+class EngineClient(Protocol):
+    model_name: str  # the served model name
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any  # a transformers tokenizer: encode/decode/apply_chat_template
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestDelta]:
+        """Validate and queue the request (raising InvalidRequestError / EngineOverloadedError /
+        EngineDeadError before the first yield), then yield deltas for every choice until each is
+        finished. Closing or cancelling the iterator aborts the request and frees its blocks."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def drain_step_token_counts(self) -> list[int]:
+        """Tokens scheduled in each engine step since the last call (for a histogram)."""
+        ...

@@ -1,0 +1,62 @@
+"""Incremental detokenization and stop strings: text deltas that never split a UTF-8 character
+and never leak (the start of) a stop string."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_PROMPT_CONTEXT_TOKENS = 5  # decoding starts a few prompt tokens back, so leading spaces survive
+
+
+class IncrementalDetokenizer:
+    """Turns one choice's output tokens into text, a delta at a time."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
+                 include_stop_str_in_output: bool = False) -> None:
+        self.tokenizer = tokenizer
+        context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
+        self._token_ids = list(context)
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._stop = stop
+        self._include_stop = include_stop_str_in_output
+        self._hold = max((len(s) for s in stop), default=1) - 1  # chars that may start a stop string
+        self._pending = ""  # decoded but not yet emitted
+        self.text = ""  # everything emitted so far
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _decode_new(self) -> str:
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._token_ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
+        return full_text[len(prefix_text) :]
+
+    def add(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Feed new tokens; returns (text safe to emit now, whether a stop string matched)."""
+        self._token_ids.extend(token_ids)
+        self._pending += self._decode_new()
+        if self._stop:
+            hit = min(((i, s) for s in self._stop if (i := self._pending.find(s)) >= 0), default=None)
+            if hit is not None:
+                index, stop = hit
+                emitted = self._pending[: index + (len(stop) if self._include_stop else 0)]
+                self._pending = ""
+                self.text += emitted
+                return emitted, True
+        cut = max(0, len(self._pending) - self._hold)
+        emitted, self._pending = self._pending[:cut], self._pending[cut:]
+        self.text += emitted
+        return emitted, False
+
+    def flush(self) -> str:
+        """At the end: emit whatever is held back, including a trailing partial character."""
+        tail = self._decode(self._token_ids[self._prefix_offset :])
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        emitted = self._pending + tail[len(prefix_text) :]
+        self._pending = ""
+        self.text += emitted
+        return emitted

@@ -1,0 +1,81 @@
+"""`LLM`: the offline API in vLLM's shape: `LLM(model).generate(prompts, SamplingParams)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from configs import SamplingParams, load_engine_config
+from configs.engine import DEFAULT_MODEL
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+
+PromptInput = str | list[int]
+
+
+class LLM:
+    """Batch generation without a server. Engine keyword arguments mirror the CLI flags
+    (`block_size`, `num_kv_blocks`, `kv_cache_memory`, `max_model_len`, `max_num_seqs`,
+    `max_num_batched_tokens`, `enable_prefix_caching`, `dtype`, `device`, `attention_backend`, ...)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
+        config = load_engine_config(cli={"model": model, **engine_args}, environ={})
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, all submitted together; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = _broadcast(sampling_params or SamplingParams(), len(prompts))
+        outputs: dict[str, RequestOutput] = {}
+        for prompt, params in zip(prompts, params_list, strict=True):
+            request_id = str(next(self._ids))
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.engine.add_request(request_id, token_ids, params)
+            outputs[request_id] = RequestOutput(
+                request_id, prompt if isinstance(prompt, str) else None, token_ids,
+                [CompletionOutput(i, "", [], None, [] if params.logprobs is not None else None)
+                 for i in range(params.n)],
+                finished=False,
+            )
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                choice = outputs[delta.request_id].outputs[delta.index]
+                choice.text += delta.new_text
+                choice.token_ids.extend(delta.new_token_ids)
+                if choice.logprobs is not None and delta.new_logprobs:
+                    choice.logprobs.extend(delta.new_logprobs)
+                if delta.finished:
+                    choice.finish_reason = delta.finish_reason
+        for output in outputs.values():
+            output.finished = True
+        return list(outputs.values())
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (with the generation prompt), then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            list(self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False))
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+
+def _broadcast(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"{len(params)} SamplingParams for {count} prompts")
+    return list(params)

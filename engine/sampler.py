@@ -1,0 +1,114 @@
+"""`Sampler`: picks each request's next token from its logits row, honouring its SamplingParams.
+
+Rows are independent: a request with a seed draws from its own generator, so its output does not
+depend on what else is in the batch, and an error in one row fails only that request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from configs import SamplingParams
+from engine.outputs import TokenLogprob
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one request this step."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None
+    generator: torch.Generator | None = None  # set for seeded requests
+    banned_token_ids: list[int] = field(default_factory=list)  # EOS/stop ids while below min_tokens
+
+    @property
+    def needs_processing(self) -> bool:
+        """False when plain argmax over the raw logits is the answer."""
+        params = self.params
+        return not (
+            params.is_greedy and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and not params.logit_bias and not self.banned_token_ids
+            and params.logprobs is None
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+
+    def sample(self, logits: Tensor, rows: list[SamplingRow]) -> list[SampleResult | Exception]:
+        """logits: [num_rows, vocab_size] float32, one row per entry of `rows` (same order)."""
+        if not any(row.needs_processing for row in rows):
+            return [SampleResult(int(t), None) for t in logits.argmax(dim=-1).tolist()]
+        results: list[SampleResult | Exception] = []
+        for row_logits, row in zip(logits, rows, strict=True):
+            try:
+                results.append(self._sample_row(row_logits, row))
+            except Exception as error:  # noqa: BLE001 - one request fails, the batch goes on
+                results.append(error)
+        return results
+
+    def _sample_row(self, logits: Tensor, row: SamplingRow) -> SampleResult:
+        params = row.params
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if params.logprobs is not None else None
+        logits = self._apply_penalties(logits.clone(), row)
+        if params.is_greedy:
+            token_id = int(logits.argmax())
+        else:
+            probs = _filtered_probs(logits / params.temperature, params)
+            # Exponential race == multinomial draw, and consumes a fixed amount of randomness per step.
+            noise = torch.empty_like(probs).exponential_(generator=row.generator or self._generator)
+            token_id = int((probs / noise).argmax())
+        logprob = None
+        if raw_logprobs is not None:
+            top = raw_logprobs.topk(params.logprobs) if params.logprobs else None
+            alternatives = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+            logprob = TokenLogprob(token_id, float(raw_logprobs[token_id]), alternatives)
+        return SampleResult(token_id, logprob)
+
+    @staticmethod
+    def _apply_penalties(logits: Tensor, row: SamplingRow) -> Tensor:
+        params = row.params
+        vocab_size = logits.shape[0]
+        if params.logit_bias:
+            ids = [i for i in params.logit_bias if i < vocab_size]
+            logits[ids] += torch.tensor([params.logit_bias[i] for i in ids], dtype=logits.dtype)
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)))
+            selected = logits[seen]
+            penalty = params.repetition_penalty
+            logits[seen] = torch.where(selected > 0, selected / penalty, selected * penalty)
+        if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
+            counts = torch.bincount(torch.tensor(row.output_token_ids), minlength=vocab_size)[:vocab_size]
+            logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        if row.banned_token_ids:
+            logits[row.banned_token_ids] = float("-inf")
+        return logits
+
+
+def _filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Softmax restricted by top-k, top-p (nucleus) and min-p."""
+    if 0 < params.top_k < logits.shape[0]:
+        kth_value = logits.topk(params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth_value, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # drop a token when the tokens strictly more likely already reach top_p
+        drop = (sorted_probs.cumsum(0) - sorted_probs) >= params.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs
