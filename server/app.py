@@ -1,0 +1,60 @@
+"""`create_app`: the FastAPI application, its middleware, routes and the engine's lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from configs import EngineConfig
+from engine.client import EngineClient
+from server.errors import install_exception_handlers
+from server.metrics import ServerMetrics
+from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
+from server.routes import chat, completions, models, system, tokenize
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    if app.state.engine is None:
+        # Imported here so that apps built around a fake engine (tests) never import torch.
+        from engine.async_engine import AsyncEngine
+
+        app.state.engine = AsyncEngine.from_config(app.state.config)
+    engine: EngineClient = app.state.engine
+    await engine.start()
+    app.state.metrics = ServerMetrics(engine.model_name, engine.stats,
+                                      engine.drain_step_token_counts, engine.max_model_len)
+    app.state.started_at = int(time.time())
+    app.state.stop_requests = asyncio.Event()  # set by `begin_shutdown` once the grace is over
+    try:
+        yield
+    finally:
+        # Fails what is still pending, so streams that are still open end with a final event.
+        await engine.shutdown()
+
+
+def begin_shutdown(app: FastAPI, grace_s: float) -> None:
+    """Let open requests run `grace_s` more seconds, then abort them: streams end with a final
+    error event and `[DONE]`, others get a 503. Call on the server's loop when shutdown starts."""
+    asyncio.get_running_loop().call_later(grace_s, app.state.stop_requests.set)
+
+
+def create_app(config: EngineConfig, engine: EngineClient | None = None) -> FastAPI:
+    """The app serving `engine`, or an `AsyncEngine` built from `config` at startup."""
+    # strict_content_type=False: a JSON body without a Content-Type header is still parsed.
+    app = FastAPI(title="pagedserve", lifespan=_lifespan, strict_content_type=False)
+    app.state.config, app.state.engine = config, engine
+    for family in (completions, chat, models, tokenize, system):
+        app.include_router(family.router)
+    install_exception_handlers(app)
+    # Added innermost first: context (outermost) -> auth -> body limit -> app, so that
+    # unauthenticated clients are turned away before their body is read.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.server.max_request_body_bytes)
+    if config.server.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key)
+    app.add_middleware(RequestContextMiddleware)
+    return app

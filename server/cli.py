@@ -1,0 +1,149 @@
+"""The `pagedserve` command: `serve` (HTTP server), `generate` (one offline prompt), `bench NAME`.
+
+Engine flags are derived from the pydantic config fields, so `--help` always matches the config.
+Only flags the user actually gave reach `load_engine_config`, which keeps its precedence
+(CLI > `PAGEDSERVE_*` env > config file > defaults) intact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import signal
+import socket
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import uvicorn
+
+from configs import EngineConfig, SamplingParams, load_engine_config
+from configs.engine import SECTIONS
+from server.app import begin_shutdown, create_app
+
+BENCHMARKS = ("throughput", "serving", "memory", "step", "attention", "block_pool")
+ENGINE_SECTIONS = ("model", "cache", "scheduler")
+CONFIG_FIELDS = frozenset(name for section in SECTIONS.values() for name in section.model_fields)
+DEFAULT_GRACEFUL_SHUTDOWN_S = 10.0
+
+
+def _flag_kwargs(annotation: Any) -> dict[str, Any]:
+    """argparse `type`/`choices`/`action` for a config field's annotation."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(arg for arg in typing.get_args(annotation) if arg is not type(None))
+    if typing.get_origin(annotation) is typing.Literal:
+        return {"choices": list(typing.get_args(annotation))}
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    return {"type": annotation if annotation in (int, float) else str}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str]) -> None:
+    for section in sections:
+        group = parser.add_argument_group(f"{section} settings")
+        for name, field in SECTIONS[section].model_fields.items():
+            description = (field.description or "").replace("%", "%%")
+            group.add_argument(
+                "--" + name.replace("_", "-"), dest=name,
+                default=argparse.SUPPRESS,  # absent unless given: see the module docstring
+                help=f"{description} (default: {field.default})",
+                **_flag_kwargs(field.annotation))
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="YAML config file or preset name (default: $PAGEDSERVE_CONFIG)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_config_flags(serve, list(SECTIONS))
+    serve.add_argument("--timeout-graceful-shutdown", type=float, metavar="SECONDS",
+                       default=DEFAULT_GRACEFUL_SHUTDOWN_S,
+                       help="on SIGTERM, how long open requests may still run before they are "
+                            f"ended with a final event (default: {DEFAULT_GRACEFUL_SHUTDOWN_S})")
+
+    generate = commands.add_parser("generate", help="complete one prompt offline and print it")
+    generate.add_argument("prompt")
+    generate.add_argument("--max-tokens", type=int, default=64, help="(default: 64)")
+    generate.add_argument("--temperature", type=float, default=0.0,
+                          help="0 is greedy (default: 0.0)")
+    generate.add_argument("--chat", action="store_true",
+                          help="wrap the prompt as a user message in the chat template")
+    _add_config_flags(generate, ENGINE_SECTIONS)
+
+    bench = commands.add_parser("bench", help="run a benchmark: benchmarks.<NAME>.main(args)")
+    bench.add_argument("name", choices=BENCHMARKS)
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
+                     ) -> EngineConfig:
+    given = {name: value for name, value in vars(args).items() if name in CONFIG_FIELDS}
+    return load_engine_config(cli=given, config_file=args.config, environ=environ)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, which tells the app when shutdown starts: open requests then get
+    `grace_s` seconds and are ended by the app with a final event, before uvicorn's own timeout
+    (a backstop) would cancel them mid-send."""
+
+    def __init__(self, config: uvicorn.Config, grace_s: float) -> None:
+        super().__init__(config)
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        begin_shutdown(self.config.app, self.grace_s)
+        await super().shutdown(sockets)
+
+
+def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
+    grace_s = args.timeout_graceful_shutdown
+    server = GracefulServer(uvicorn.Config(
+        create_app(config), host=config.server.host, port=config.server.port,
+        log_level=config.server.log_level, timeout_graceful_shutdown=grace_s + 5), grace_s)
+    # uvicorn re-raises a captured SIGTERM once its graceful shutdown is done; the default handler
+    # would then kill us with status 143 although the shutdown was clean.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    server.run()
+    if not server.started:
+        sys.exit(3)  # as uvicorn.run: startup failed (e.g. the model could not be loaded)
+
+
+def _generate(args: argparse.Namespace, config: EngineConfig) -> None:
+    from engine.llm import LLM  # imports torch: only when needed
+
+    engine_kwargs = {name: value for section in ENGINE_SECTIONS
+                     for name, value in getattr(config, section).model_dump(
+                         exclude_defaults=True).items()}
+    engine_kwargs.pop("model", None)
+    llm = LLM(model=config.model.model, **engine_kwargs)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    (output,) = llm.generate([prompt], params)
+    sys.stdout.write(output.outputs[0].text + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        result = importlib.import_module(f"benchmarks.{args.name}").main(args.args)
+        sys.exit(result if isinstance(result, int) else 0)
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
+        parser.error(f"invalid configuration: {exc}")
+    logging.basicConfig(level=config.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        _serve(args, config)
+    else:
+        _generate(args, config)

@@ -1,0 +1,80 @@
+"""Run one HTTP request's prompts through the engine: one engine request per prompt, their deltas
+merged, the client (and server shutdown) watched, every delta recorded (metrics, usage, log line).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from configs import SamplingParams
+from engine.client import EngineClient
+from engine.outputs import RequestDelta
+from server.errors import (
+    APIError,
+    ClientDisconnectedError,
+    ServerShuttingDownError,
+    to_api_error,
+)
+from server.recorder import RequestRecorder
+from server.streams import merge_streams, prepend, until_stopped
+
+logger = logging.getLogger(__name__)
+
+Item = tuple[int, RequestDelta]  # (prompt index, delta)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInput:
+    token_ids: list[int]
+    params: SamplingParams
+
+
+def engine_request_id(request_id: str, prompt_idx: int) -> str:
+    return f"{request_id}-{prompt_idx}"
+
+
+async def _recorded(stream: AsyncIterator[Item], recorder: RequestRecorder) -> AsyncIterator[Item]:
+    unfinished_reason = "abort"  # also when the consumer stops early (its client went away)
+    try:
+        async for prompt_idx, delta in stream:
+            recorder.observe(prompt_idx, delta)
+            yield prompt_idx, delta
+    except (ClientDisconnectedError, ServerShuttingDownError):
+        raise
+    except Exception as exc:
+        unfinished_reason = "error"
+        if to_api_error(exc).status_code >= 500 and not isinstance(exc, APIError):
+            logger.error("request %s failed", recorder.request_id, exc_info=exc)
+        raise
+    finally:
+        recorder.close(unfinished_reason)
+
+
+async def start_generation(request: Request, inputs: list[EngineInput],
+                           recorder: RequestRecorder) -> AsyncIterator[Item]:
+    """Queue every prompt and wait for the first delta, so that engine errors raised before it
+    (invalid, overloaded, dead) still become HTTP errors; then return the whole stream."""
+    engine: EngineClient = request.app.state.engine
+    request_id = recorder.request_id
+    streams = [engine.generate(item.token_ids, item.params, engine_request_id(request_id, index))
+               for index, item in enumerate(inputs)]
+
+    async def abort_all() -> None:
+        # Closing the iterators already aborts; an explicit abort also covers a request the
+        # engine has accepted but whose iterator never got to run.
+        for index in range(len(inputs)):
+            await engine.abort(engine_request_id(request_id, index))
+
+    guarded = until_stopped(merge_streams(streams), request.receive,
+                            request.app.state.stop_requests, abort_all)
+    stream = _recorded(guarded, recorder)
+    try:
+        first = await anext(stream)
+    except BaseException:
+        await stream.aclose()
+        raise
+    return prepend(first, stream)

@@ -1,0 +1,99 @@
+"""Turn request fields into engine input: tokenize prompts, apply the chat template, and check
+everything the engine would reject (vocabulary, context length) before anything is queued.
+
+Tokenization runs on the event loop on purpose: HF fast tokenizers are not safe to share between
+threads ("Already borrowed"), and one prompt takes well under a millisecond per kilobyte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.client import EngineClient
+from server.errors import invalid_request, model_not_found
+from server.protocol import ChatMessage
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    token_ids: list[int]
+    text: str  # as given, or decoded from the ids (what `echo` returns)
+
+
+def check_model(requested: str | None, engine: EngineClient) -> None:
+    """Raises 404 unless the request names the served model (or names none)."""
+    if requested is not None and requested != engine.model_name:
+        raise model_not_found(requested)
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise invalid_request(
+                f"Token id {token_id} is out of vocabulary (valid ids are 0..{vocab_size - 1}).",
+                param)
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]],
+                       engine: EngineClient) -> list[Prompt]:
+    """One `Prompt` per prompt of a /v1/completions request; empty prompts are rejected."""
+    items: list[Any] = [prompt] if isinstance(prompt, str) else list(prompt)
+    if items and isinstance(items[0], int):
+        items = [items]  # a single prompt given as token ids
+    if not items:
+        raise invalid_request("The prompt must not be empty.", "prompt")
+    prompts = []
+    for item in items:
+        if not item:
+            raise invalid_request("The prompt must not be empty.", "prompt")
+        if isinstance(item, str):
+            prompts.append(Prompt(engine.tokenizer.encode(item), item))
+        else:
+            check_token_ids(item, engine.vocab_size, "prompt")
+            prompts.append(Prompt(list(item), engine.tokenizer.decode(item)))
+    return prompts
+
+
+def chat_prompt(messages: list[ChatMessage], engine: EngineClient) -> Prompt:
+    """Render the model's chat template (with the assistant turn opened) and tokenize it."""
+    conversation = [message.to_template_message() for message in messages]
+    try:
+        text = engine.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=False)
+    except ValueError as exc:  # no template, or the template rejects the conversation
+        raise invalid_request(f"Cannot apply the chat template: {exc}", "messages") from exc
+    # The template already contains the special tokens (BOS...), so the tokenizer adds none.
+    return Prompt(engine.tokenizer.encode(text, add_special_tokens=False), text)
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int,
+                       max_model_len: int, prompt_param: str) -> int:
+    """The max_tokens to run with. Absent: `default` capped at the remaining context (the whole
+    remaining context when `default` is None). Raises 400 when the context cannot fit."""
+    num_remaining_tokens = max_model_len - num_prompt_tokens
+    if num_remaining_tokens < 1:
+        raise invalid_request(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt_tokens} tokens, which leaves no room for a completion.", prompt_param)
+    if requested is None:
+        return num_remaining_tokens if default is None else min(default, num_remaining_tokens)
+    if requested > num_remaining_tokens:
+        raise invalid_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+            f"prompt, {requested} for the completion). Reduce the prompt or max_tokens.",
+            "max_tokens")
+    return requested
+
+
+def parse_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    parsed = {}
+    for key, bias in (logit_bias or {}).items():
+        if not key.isdigit():
+            raise invalid_request(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias")
+        parsed[int(key)] = bias
+    check_token_ids(list(parsed), vocab_size, "logit_bias")
+    return parsed

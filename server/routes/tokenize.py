@@ -1,0 +1,38 @@
+"""POST /tokenize and /detokenize (vLLM's shapes): see what the model sees, count tokens."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from server.errors import invalid_request
+from server.prompts import chat_prompt, check_model, check_token_ids
+from server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+router = APIRouter()
+
+
+@router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    engine = request.app.state.engine
+    check_model(body.model, engine)
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid_request("Give exactly one of 'prompt' and 'messages'.", "prompt")
+    if body.messages is not None:
+        token_ids = chat_prompt(body.messages, engine).token_ids
+    else:
+        token_ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return TokenizeResponse(tokens=token_ids, count=len(token_ids),
+                            max_model_len=engine.max_model_len)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    engine = request.app.state.engine
+    check_model(body.model, engine)
+    check_token_ids(body.tokens, engine.vocab_size, "tokens")
+    return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))

@@ -1,0 +1,150 @@
+"""A deterministic fake `EngineClient` with a byte-level tokenizer, and app/client fixtures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from configs import EngineConfig, SamplingParams, load_engine_config
+from engine.errors import InvalidRequestError
+from engine.outputs import EngineStats, RequestDelta, RequestTimings, TokenLogprob
+from server.app import create_app
+
+EOS_TOKEN_ID = 257
+
+
+class ByteTokenizer:
+    """Token id = UTF-8 byte; 256 is BOS and 257 EOS (decoded as nothing)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(token_id for token_id in token_ids if token_id < 256).decode(errors="replace")
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool,
+                            tokenize: bool) -> str:
+        text = "".join(f"<{message['role']}>{message['content']}\n" for message in conversation)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeEngine:
+    """Choice i of a request writes "abcdefgh"[i:] one letter per step, then EOS ("stop");
+    `max_tokens` cuts it short ("length"). Records requests, aborts and early-closed streams."""
+
+    model_name = "fake-model"
+    max_model_len = 64
+    vocab_size = 258
+
+    def __init__(self) -> None:
+        self.tokenizer = ByteTokenizer()
+        self.is_alive = True
+        self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.aborted: list[str] = []
+        self.closed_early: list[str] = []
+        self.raise_on_generate: Exception | None = None
+        self.hang_after_first_delta = False  # simulates a long decode
+        self.fail_after_first_delta: Exception | None = None
+        self.started = self.shut_down = False
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_requests_running=1, num_requests_waiting=2, num_free_blocks=7,
+                           num_total_blocks=8, block_size=4, kv_cache_usage=0.125,
+                           num_prompt_tokens=11, num_generation_tokens=5)
+
+    def drain_step_token_counts(self) -> list[int]:
+        return [3, 1]
+
+    @staticmethod
+    def _token(choice: int, step: int, params: SamplingParams) -> int:
+        letters = "abcdefgh"[choice:]
+        return ord(letters[step]) if step < len(letters) and not params.ignore_eos else EOS_TOKEN_ID
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestDelta]:
+        if self.raise_on_generate is not None:
+            raise self.raise_on_generate
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError("too long", "max_tokens")  # the server checks first
+        self.requests.append((request_id, prompt_token_ids, params))
+        arrival, finished = time.monotonic(), set()
+        try:
+            for step in range(params.max_tokens):
+                for choice in range(params.n):
+                    if choice in finished:
+                        continue
+                    token_id = self._token(choice, step, params)
+                    is_last_step = step + 1 == params.max_tokens
+                    reason = "stop" if token_id == EOS_TOKEN_ID else "length" if is_last_step else None
+                    if reason:
+                        finished.add(choice)
+                    all_done = len(finished) == params.n
+                    timings = RequestTimings(arrival, arrival, arrival, time.monotonic()) if all_done else None
+                    logprobs = None if params.logprobs is None else (
+                        TokenLogprob(token_id, -0.5, ((token_id, -0.5), (ord("z"), -1.5))[:params.logprobs]),)
+                    yield RequestDelta(request_id, choice, (token_id,),
+                                       self.tokenizer.decode([token_id]), logprobs,
+                                       len(prompt_token_ids), step + 1, reason is not None, reason,
+                                       timings=timings)
+                    if self.fail_after_first_delta is not None:
+                        raise self.fail_after_first_delta
+                    if self.hang_after_first_delta:
+                        await asyncio.Event().wait()
+                await asyncio.sleep(0)
+        finally:
+            if len(finished) < params.n:
+                self.closed_early.append(request_id)
+
+
+def make_config(**settings: Any) -> EngineConfig:
+    return load_engine_config(cli=settings, environ={})
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def app(engine: FakeEngine) -> FastAPI:
+    return create_app(make_config(), engine)
+
+
+@pytest.fixture
+def client(app: FastAPI) -> Iterator[TestClient]:
+    with TestClient(app, raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def client_with(engine: FakeEngine) -> Iterator[Callable[..., TestClient]]:
+    """`client_with(api_key="k")`: a started client for an app with these settings."""
+    with ExitStack() as stack:
+        def make(**settings: Any) -> TestClient:
+            app = create_app(make_config(**settings), engine)
+            return stack.enter_context(TestClient(app, raise_server_exceptions=False))
+
+        yield make
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+

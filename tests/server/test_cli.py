@@ -1,0 +1,68 @@
+"""The `pagedserve` CLI: flags derived from the config, their defaults, and their precedence."""
+
+from __future__ import annotations
+
+import pytest
+
+from configs.engine import SECTIONS
+from server.cli import build_parser, config_from_args, main
+
+BRIEF_FLAGS = ["--model", "--host", "--port", "--served-model-name", "--api-key", "--block-size",
+               "--num-kv-blocks", "--kv-cache-memory", "--gpu-memory-utilization",
+               "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+               "--enable-prefix-caching", "--no-enable-prefix-caching", "--preemption-mode",
+               "--dtype", "--device", "--attention-backend", "--seed",
+               "--max-request-body-bytes", "--log-level", "--config"]
+
+
+def _serve_help(capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # unwrap argparse's line breaks
+
+
+def test_serve_help_lists_every_flag(capsys):
+    text = _serve_help(capsys)
+    for flag in BRIEF_FLAGS:
+        assert flag in text
+    for section in SECTIONS.values():
+        for name in section.model_fields:
+            assert "--" + name.replace("_", "-") in text
+
+
+def test_serve_help_shows_defaults_and_descriptions(capsys):
+    text = _serve_help(capsys)
+    assert "tokens per KV block (default: 16)" in text
+    assert "{recompute,swap}" in text and "(default: recompute)" in text
+    assert "bind port (default: 8000)" in text
+
+
+def test_cli_flag_beats_environment():
+    args = build_parser().parse_args(["serve", "--port", "9000"])
+    config = config_from_args(args, environ={"PAGEDSERVE_PORT": "8001",
+                                             "PAGEDSERVE_BLOCK_SIZE": "32"})
+    assert config.server.port == 9000
+    assert config.cache.block_size == 32  # not given on the command line: the env var holds
+
+
+def test_only_given_flags_reach_the_loader():
+    args = build_parser().parse_args(["serve", "--no-enable-prefix-caching",
+                                      "--preemption-mode", "swap"])
+    config = config_from_args(args, environ={})
+    assert config.cache.enable_prefix_caching is False
+    assert config.scheduler.preemption_mode == "swap"
+    assert config.cache.block_size == 16
+
+
+def test_invalid_setting_exits_with_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--block-size", "0"])
+    assert exit_info.value.code == 2
+    assert "block_size" in capsys.readouterr().err
+
+
+def test_bench_rejects_unknown_benchmarks(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "nope"])
+    assert "invalid choice" in capsys.readouterr().err

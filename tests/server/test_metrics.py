@@ -1,0 +1,61 @@
+"""/metrics parses as Prometheus text and exposes every vLLM-style metric under `pagedserve:`."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ENGINE_GAUGES = ["num_requests_running", "num_requests_waiting", "num_requests_swapped",
+                 "kv_cache_usage_perc", "num_free_blocks"]
+COUNTERS = ["num_preemptions", "prompt_tokens", "generation_tokens", "prefix_cache_queries",
+            "prefix_cache_hits", "request_success", "request_aborted"]
+HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds",
+              "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds", "request_prefill_time_seconds",
+              "request_decode_time_seconds", "request_prompt_tokens",
+              "request_generation_tokens", "iteration_tokens_total"]
+
+
+def _scrape(client) -> dict[str, object]:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    return {family.name: family for family in text_string_to_metric_families(response.text)}
+
+
+def test_metrics_expose_every_name_with_the_model_label(client):
+    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    families = _scrape(client)
+    expected = [*ENGINE_GAUGES, *COUNTERS, *HISTOGRAMS, "cache_config_info"]
+    assert {f"pagedserve:{name}" for name in expected} <= set(families)
+    for name in expected:
+        for sample in families[f"pagedserve:{name}"].samples:
+            assert sample.labels["model_name"] == "fake-model", sample
+
+
+def test_counters_are_exposed_with_the_total_suffix(client):
+    text = client.get("/metrics").text
+    for name in COUNTERS:
+        assert f"\npagedserve:{name}_total{{" in text
+
+
+def test_engine_gauges_are_read_at_scrape_time(client, engine):
+    families = _scrape(client)
+    assert families["pagedserve:num_free_blocks"].samples[0].value == 7
+    assert families["pagedserve:kv_cache_usage_perc"].samples[0].value == 0.125
+    assert families["pagedserve:generation_tokens"].samples[0].value == 5
+    info = families["pagedserve:cache_config_info"].samples[0]
+    assert (info.labels["block_size"], info.labels["num_blocks"]) == ("4", "8")
+
+
+def test_request_histograms_and_finish_reasons_are_observed(client):
+    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "n": 2})
+    client.post("/v1/completions", json={"prompt": "hi"})
+    samples = {(s.name, s.labels.get("finished_reason")): s.value
+               for family in _scrape(client).values() for s in family.samples}
+    assert samples[("pagedserve:request_success_total", "length")] == 2
+    assert samples[("pagedserve:request_success_total", "stop")] == 1
+    assert samples[("pagedserve:request_success_total", "abort")] == 0
+    assert samples[("pagedserve:time_to_first_token_seconds_count", None)] == 3
+    assert samples[("pagedserve:inter_token_latency_seconds_count", None)] == 2 * 2 + 8
+    assert samples[("pagedserve:request_queue_time_seconds_count", None)] == 2
+    assert samples[("pagedserve:request_generation_tokens_sum", None)] == 3 + 3 + 9
+    assert samples[("pagedserve:iteration_tokens_total_count", None)] == 2  # drained per scrape

@@ -1,0 +1,136 @@
+"""Non-streaming routes against the fake engine: completions, chat, models, tokenize, health."""
+
+from __future__ import annotations
+
+import re
+
+
+def test_completion_returns_choices_usage_and_openai_fields(client):
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "n": 2})
+    assert response.status_code == 200
+    body = response.json()
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", body["id"])
+    assert body["object"] == "text_completion" and body["model"] == "fake-model"
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "abc", "length"), (1, "bcd", "length")]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
+
+
+def test_completion_defaults_to_16_tokens_and_stops_at_eos(client, engine):
+    body = client.post("/v1/completions", json={"prompt": "hi"}).json()
+    assert body["choices"][0] == {"index": 0, "text": "abcdefgh", "logprobs": None,
+                                  "finish_reason": "stop"}
+    assert engine.requests[0][2].max_tokens == 16
+
+
+def test_completion_batch_indexes_choices_by_prompt_then_n(client, engine):
+    body = client.post("/v1/completions",
+                       json={"prompt": [[104, 105], [120]], "max_tokens": 1, "n": 2}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert sorted(request[1] for request in engine.requests) == [[104, 105], [120]]
+    assert body["usage"]["prompt_tokens"] == 3
+
+
+def test_completion_legacy_logprobs_have_offsets_and_top_entries(client):
+    body = client.post("/v1/completions",
+                       json={"prompt": "hi", "max_tokens": 2, "logprobs": 2}).json()
+    assert body["choices"][0]["logprobs"] == {
+        "tokens": ["a", "b"], "token_logprobs": [-0.5, -0.5],
+        "top_logprobs": [{"a": -0.5, "z": -1.5}, {"b": -0.5, "z": -1.5}], "text_offset": [0, 1]}
+
+
+def test_completion_echo_prepends_the_prompt(client):
+    body = client.post("/v1/completions",
+                       json={"prompt": "hi ", "max_tokens": 2, "echo": True}).json()
+    assert body["choices"][0]["text"] == "hi ab"
+
+
+def test_completion_passes_sampling_fields_to_the_engine(client, engine):
+    client.post("/v1/completions", json={
+        "prompt": "hi", "max_tokens": 2, "temperature": 0, "top_p": 0.5, "top_k": 3,
+        "min_p": 0.1, "seed": 7, "stop": "x", "stop_token_ids": [1], "logit_bias": {"5": 1.0},
+        "repetition_penalty": 1.1, "min_tokens": 1, "include_stop_str_in_output": True,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "user": "u", "best_of": 1})
+    params = engine.requests[0][2]
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (
+        0.0, 0.5, 3, 0.1, 7)
+    assert params.stop == ("x",) and params.stop_token_ids == (1,)
+    assert params.logit_bias == {5: 1.0} and params.min_tokens == 1
+    assert params.include_stop_str_in_output and params.repetition_penalty == 1.1
+
+
+def test_unknown_fields_are_ignored_like_openai(client):
+    response = client.post("/v1/completions",
+                           json={"prompt": "hi", "max_tokens": 1, "future_field": {"x": 1}})
+    assert response.status_code == 200
+
+
+def test_chat_applies_the_template_and_defaults_to_the_remaining_context(client, engine):
+    body = client.post("/v1/chat/completions", json={"model": "fake-model", "messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}).json()
+    _, prompt_ids, params = engine.requests[0]
+    assert bytes(prompt_ids).decode() == "<system>be brief\n<user>hi\n<assistant>"
+    assert params.max_tokens == engine.max_model_len - len(prompt_ids)
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "abcdefgh"}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)
+
+
+def test_chat_prefers_max_completion_tokens(client, engine):
+    body = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+        "max_completion_tokens": 2}).json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert engine.requests[0][2].max_tokens == 2
+
+
+def test_chat_logprobs_use_the_chat_format(client):
+    body = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True,
+        "top_logprobs": 1}).json()
+    assert body["choices"][0]["logprobs"] == {"content": [{
+        "token": "a", "logprob": -0.5, "bytes": [97],
+        "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}]}]}
+
+
+def test_models_lists_the_served_model(client):
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["id"] == "fake-model" and card["object"] == "model"
+    assert client.get("/v1/models/fake-model").json()["id"] == "fake-model"
+    assert client.get("/v1/models/other").status_code == 404
+
+
+def test_health_follows_the_engine(client, engine):
+    assert client.get("/health").status_code == 200
+    engine.is_alive = False
+    response = client.get("/health")
+    assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
+
+
+def test_version_reports_a_version(client):
+    assert isinstance(client.get("/version").json()["version"], str)
+
+
+def test_tokenize_prompt_and_messages(client):
+    assert client.post("/tokenize", json={"prompt": "hi"}).json() == {
+        "tokens": [104, 105], "count": 2, "max_model_len": 64}
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).json()
+    assert bytes(chat["tokens"]).decode() == "<user>x\n<assistant>"
+
+
+def test_detokenize_round_trips(client):
+    assert client.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
+
+
+def test_lifespan_starts_and_shuts_down_the_engine(app, engine):
+    from fastapi.testclient import TestClient
+
+    with TestClient(app):
+        assert engine.started and not engine.shut_down
+    assert engine.shut_down
+
+
+def test_every_response_carries_a_request_id(client):
+    assert re.fullmatch(r"[0-9a-f]{32}", client.get("/health").headers["x-request-id"])
