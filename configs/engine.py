@@ -47,10 +47,9 @@ class CacheConfig(_Section):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="fraction of GPU memory for weights + KV on CUDA")
     num_kv_blocks: int | None = Field(None, ge=1, description="explicit number of KV blocks (overrides the budget)")
     enable_prefix_caching: bool = Field(True, description="reuse cached KV blocks of identical prompt prefixes")
-    swap_space: str = Field("0", description="host memory for swap-mode preemption (e.g. 1GiB; 0 = off)")
     attention_backend: Literal["auto", "cpu", "triton", "torch"] = Field("auto", description="paged attention kernel")
 
-    @field_validator("kv_cache_memory", "swap_space")
+    @field_validator("kv_cache_memory")
     @classmethod
     def _valid_size(cls, value: str) -> str:
         parse_bytes(value)
@@ -62,7 +61,9 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int = Field(512, ge=1, description="token budget per step (chunked prefill beyond it)")
     max_waiting_requests: int = Field(1024, ge=1, description="queue length beyond which requests get 429")
     scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="order of waiting requests")
-    preemption_mode: Literal["recompute", "swap"] = Field("recompute", description="what preemption does with a victim's KV")
+    # Only recompute: a victim's blocks are released and its tokens recomputed (cheap with the
+    # prefix cache). Swap-to-host is not implemented; the flag exists so vLLM command lines parse.
+    preemption_mode: Literal["recompute"] = Field("recompute", description="what preemption does with a victim's KV")
 
 
 class ServerConfig(_Section):

@@ -52,7 +52,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = config.model.served_model_name or config.model.model
         self.vocab_size = loaded.hf_config.vocab_size
-        self.max_model_len = loaded.max_model_len
+        self.max_model_len = _cap_to_sliding_window(loaded.max_model_len, loaded.hf_config)
         self.eos_token_ids = _eos_token_ids(loaded)
         spec = make_cache_spec(loaded.hf_config, loaded.model, config.cache.block_size)
         num_blocks = kv_cache_num_blocks(config, spec, device, loaded.model)
@@ -232,6 +232,16 @@ class LLMEngine:
             prefix_cache_hits=self.block_manager.prefix_cache_hits,
             num_steps=self.num_steps,
         )
+
+
+def _cap_to_sliding_window(max_model_len: int, hf_config: object) -> int:
+    """Our kernels attend over the whole context: beyond a sliding window that would be wrong,
+    so such models serve at most `sliding_window` tokens, where both definitions agree."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and window < max_model_len:
+        logger.warning("capping max_model_len %d to the model's sliding window %d", max_model_len, window)
+        return int(window)
+    return max_model_len
 
 
 def _eos_token_ids(loaded: LoadedModel) -> list[int]:

@@ -34,7 +34,7 @@ def test_serve_help_lists_every_flag(capsys):
 def test_serve_help_shows_defaults_and_descriptions(capsys):
     text = _serve_help(capsys)
     assert "tokens per KV block (default: 16)" in text
-    assert "{recompute,swap}" in text and "(default: recompute)" in text
+    assert "{recompute}" in text and "(default: recompute)" in text
     assert "bind port (default: 8000)" in text
 
 
@@ -48,10 +48,10 @@ def test_cli_flag_beats_environment():
 
 def test_only_given_flags_reach_the_loader():
     args = build_parser().parse_args(["serve", "--no-enable-prefix-caching",
-                                      "--preemption-mode", "swap"])
+                                      "--preemption-mode", "recompute"])
     config = config_from_args(args, environ={})
     assert config.cache.enable_prefix_caching is False
-    assert config.scheduler.preemption_mode == "swap"
+    assert config.scheduler.preemption_mode == "recompute"
     assert config.cache.block_size == 16
 
 
