@@ -29,6 +29,8 @@ run: install
 	$(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT)
 
 test: install
+	# A real Prometheus scrapes the server in an end-to-end test (Debian package; no-op if present).
+	bash .ci/install-prometheus.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 10**6, "MB": 10**6, "MIB": 2**20,
@@ -81,12 +81,6 @@ class EngineConfig(_Section):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     server: ServerConfig = ServerConfig()
-
-    @model_validator(mode="after")
-    def _consistent(self) -> EngineConfig:
-        if self.model.max_model_len is not None and self.scheduler.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        return self
 
 
 SECTIONS: dict[str, type[_Section]] = {

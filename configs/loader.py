@@ -26,7 +26,7 @@ def _read_file(path: str | Path) -> dict[str, dict[str, Any]]:
     for key, value in data.items():
         if key in SECTIONS and isinstance(value, dict):
             for name, item in value.items():
-                if section_of(name) != key:
+                if _section_or_raise(name, candidate) != key:
                     raise ValueError(f"{candidate}: '{name}' is not a field of section '{key}'")
                 nested.setdefault(key, {})[name] = item
         else:

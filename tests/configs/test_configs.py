@@ -1,0 +1,171 @@
+"""Configuration: source precedence, shipped presets, strict validation, byte sizes, SamplingParams."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from configs.engine import CacheConfig, EngineConfig, parse_bytes
+from configs.loader import PRESETS_DIR, load_engine_config
+from configs.sampling import SamplingParams, SamplingParamsError
+
+PRESETS = ("cpu-small", "cpu-large", "gpu-h200")
+
+
+@pytest.fixture
+def block_size_file(tmp_path: Path) -> Path:
+    path = tmp_path / "engine.yaml"
+    path.write_text("cache:\n  block_size: 8\nscheduler:\n  max_num_seqs: 3\n")
+    return path
+
+
+def test_defaults_apply_when_no_source_sets_a_value():
+    assert load_engine_config(environ={}) == EngineConfig()
+    assert load_engine_config(environ={}).cache.block_size == 16
+
+
+def test_file_overrides_defaults(block_size_file: Path):
+    config = load_engine_config(config_file=block_size_file, environ={})
+    assert (config.cache.block_size, config.scheduler.max_num_seqs) == (8, 3)
+
+
+def test_env_overrides_file(block_size_file: Path):
+    config = load_engine_config(config_file=block_size_file, environ={"PAGEDSERVE_BLOCK_SIZE": "32"})
+    assert (config.cache.block_size, config.scheduler.max_num_seqs) == (32, 3)
+
+
+def test_cli_overrides_env_and_file(block_size_file: Path):
+    config = load_engine_config(cli={"block_size": 64, "max_num_seqs": None}, config_file=block_size_file,
+                                environ={"PAGEDSERVE_BLOCK_SIZE": "32"})
+    assert config.cache.block_size == 64
+    assert config.scheduler.max_num_seqs == 3  # a flag left at None was not given
+
+
+def test_process_environment_is_read_by_default(block_size_file: Path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_BLOCK_SIZE", "32")
+    monkeypatch.setenv("PAGEDSERVE_CONFIG", str(block_size_file))
+    monkeypatch.setenv("PAGEDSERVE_CACHE", "/tmp/not-a-setting")
+    config = load_engine_config()
+    assert (config.cache.block_size, config.scheduler.max_num_seqs) == (32, 3)
+
+
+def test_env_strings_are_coerced_to_field_types():
+    config = load_engine_config(environ={"PAGEDSERVE_ENABLE_PREFIX_CACHING": "false",
+                                         "PAGEDSERVE_GPU_MEMORY_UTILIZATION": "0.5",
+                                         "PAGEDSERVE_PORT": "9000"})
+    assert config.cache.enable_prefix_caching is False
+    assert config.cache.gpu_memory_utilization == 0.5
+    assert config.server.port == 9000
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_each_preset_loads_by_name_and_path(preset: str):
+    by_name = load_engine_config(config_file=preset, environ={})
+    assert by_name == load_engine_config(config_file=PRESETS_DIR / f"{preset}.yaml", environ={})
+    assert by_name.model.model == "SmolLM2-135M-Instruct"
+    assert parse_bytes(by_name.cache.kv_cache_memory) > 0
+
+
+def test_presets_match_their_hardware():
+    small, large, h200 = (load_engine_config(config_file=preset, environ={}) for preset in PRESETS)
+    assert small.model.device == "cpu" and small.model.dtype == "float32"
+    assert large.scheduler.max_num_seqs > small.scheduler.max_num_seqs
+    assert h200.model.device == "cuda" and h200.model.dtype == "bfloat16"
+    assert h200.cache.attention_backend == "triton"
+
+
+def test_unknown_file_setting_is_rejected_with_its_name(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("block_sise: 8\n")
+    with pytest.raises(ValueError, match="unknown setting 'block_sise'"):
+        load_engine_config(config_file=path, environ={})
+
+
+def test_unknown_setting_inside_a_section_is_rejected_with_its_name(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("cache:\n  bogus: 1\n")
+    with pytest.raises(ValueError, match="bogus"):
+        load_engine_config(config_file=path, environ={})
+
+
+def test_setting_in_the_wrong_section_is_rejected(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("server:\n  block_size: 8\n")
+    with pytest.raises(ValueError, match="'block_size' is not a field of section 'server'"):
+        load_engine_config(config_file=path, environ={})
+
+
+def test_unknown_env_setting_is_rejected_with_the_variable_name():
+    with pytest.raises(ValueError, match="PAGEDSERVE_BLOK_SIZE"):
+        load_engine_config(environ={"PAGEDSERVE_BLOK_SIZE": "8"})
+
+
+def test_unknown_cli_flag_is_rejected():
+    with pytest.raises(ValueError, match="unknown setting 'blok_size'"):
+        load_engine_config(cli={"blok_size": 8}, environ={})
+
+
+def test_out_of_range_value_is_rejected_naming_the_field():
+    with pytest.raises(ValueError, match="block_size"):
+        load_engine_config(environ={"PAGEDSERVE_BLOCK_SIZE": "0"})
+
+
+@pytest.mark.parametrize(("text", "num_bytes"), [
+    ("1048576", 1048576), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5GiB", 3 * 2**29),
+    (" 4 kib ", 4096), ("0", 0), (123, 123),
+])
+def test_byte_sizes_parse(text: str | int, num_bytes: int):
+    assert parse_bytes(text) == num_bytes
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "-1GiB", "12XB", "1e9", "2 GiB extra"])
+def test_bad_byte_sizes_are_rejected(text: str):
+    with pytest.raises(ValueError, match="cannot parse a byte size"):
+        parse_bytes(text)
+
+
+def test_cache_config_rejects_unparseable_memory_budget():
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        CacheConfig(kv_cache_memory="lots")
+
+
+@pytest.mark.parametrize(("param", "value"), [
+    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -0.1), ("temperature", 101.0),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_p", math.nan),
+    ("top_k", -2),
+    ("min_p", -0.1), ("min_p", 1.5),
+    ("n", 0), ("n", 17),
+    ("max_tokens", 0), ("max_tokens", -5),
+    ("logprobs", 21), ("logprobs", -1),
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("frequency_penalty", math.inf),
+    ("repetition_penalty", 0.0),
+    ("seed", -1),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 101.0}),
+    ("stop", ("",)), ("stop", tuple(str(i) for i in range(17))),
+    ("stop_token_ids", (-1,)),
+])
+def test_sampling_params_reject_bad_values_naming_the_field(param: str, value: object):
+    with pytest.raises(SamplingParamsError) as raised:
+        SamplingParams(**{param: value})
+    assert raised.value.param == param
+    assert param in str(raised.value) or param in ("stop", "stop_token_ids")
+
+
+def test_min_tokens_above_max_tokens_is_rejected():
+    with pytest.raises(SamplingParamsError) as raised:
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert raised.value.param == "min_tokens"
+
+
+def test_sampling_params_accept_boundary_values():
+    params = SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, n=16, max_tokens=1, logprobs=20, seed=0)
+    assert params.is_greedy
+    assert SamplingParams(logprobs=0, top_k=0).logprobs == 0
+
+
+def test_sampling_params_are_immutable():
+    params = SamplingParams()
+    with pytest.raises(AttributeError):
+        params.temperature = 0.5  # type: ignore[misc]
