@@ -63,7 +63,7 @@ class LLMEngine:
         backend = get_attention_backend(config.cache.attention_backend, device)
         logger.info("attention backend: %s", backend.name)
         self.runner = ModelRunner(loaded.model, self.cache_engine, backend)
-        self.sampler = Sampler(config.model.seed)
+        self.sampler = Sampler(config.model.seed, device)
         self._choices: dict[str, _Choice] = {}  # sequence id -> state
         self._groups: dict[str, list[str]] = {}  # request id -> its sequence ids
         self.num_prompt_tokens = 0
@@ -107,7 +107,8 @@ class LLMEngine:
                 priority=priority, parent_request_id=sequence_ids[0] if index else None,
             )
             self.scheduler.add_request(request)
-            generator = None if params.seed is None else torch.Generator().manual_seed(params.seed + index)
+            generator = (None if params.seed is None
+                         else torch.Generator(device=self.cache_engine.device).manual_seed(params.seed + index))
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                                  params.include_stop_str_in_output)
             self._choices[sequence_id] = _Choice(request_id, index, request, detokenizer, generator)

@@ -45,8 +45,9 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self._generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        # For unseeded requests; on the logits' device, as exponential_ requires.
+        self._generator = torch.Generator(device=device).manual_seed(seed)
 
     def sample(self, logits: Tensor, rows: list[SamplingRow]) -> list[SampleResult | Exception]:
         """logits: [num_rows, vocab_size] float32, one row per entry of `rows` (same order)."""
