@@ -7,6 +7,8 @@ id: it never imports the scheduler. Pure Python, no tensors.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Hashable, Sequence
 
 from cache.block_pool import BlockPool
@@ -16,8 +18,16 @@ _NO_PARENT = 0  # the chain's seed: the first block of every prompt hashes again
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
-    """Chained hash of one full block: equal hashes mean equal prefixes up to and including it."""
-    return hash((parent_hash, tuple(token_ids), extra_key))
+    """Chained SHA-256 of one full block: equal hashes mean equal prefixes up to and including it.
+
+    A cryptographic hash, not Python's `hash()`: with a colliding chain a crafted prompt could be
+    served another prompt's K/V (the class of vLLM's CVE-2025-25183). ~1 us per block.
+    """
+    hasher = hashlib.sha256(parent_hash.to_bytes(32, "little"))
+    hasher.update(array("q", token_ids).tobytes())
+    if extra_key is not None:
+        hasher.update(repr(extra_key).encode())
+    return int.from_bytes(hasher.digest(), "little")
 
 
 class BlockManager:
@@ -168,7 +178,10 @@ class BlockManager:
         """
         if child_id in self.tables:
             raise RuntimeError(f"request {child_id} already has a block table")
-        shared_ids = self.tables[parent_id].block_ids[: ceil_div(num_tokens, self.block_size)]
+        parent = self.tables[parent_id]
+        if num_tokens > parent.num_slots:
+            raise RuntimeError(f"fork of {num_tokens} tokens, but {parent_id} holds {parent.num_slots} slots")
+        shared_ids = parent.block_ids[: ceil_div(num_tokens, self.block_size)]
         for block_id in shared_ids:
             self.pool.touch(self.pool.blocks[block_id])
         self.tables[child_id] = BlockTable(self.block_size, list(shared_ids))
