@@ -1,0 +1,157 @@
+"""Benchmark one decode step's paged attention: the cpu kernel vs the gather reference vs SDPA.
+
+All three run in the same process on the same data, interleaved round by round so machine noise
+hits them alike. SDPA gets pre-made contiguous K/V (the lower bound a paged kernel chases); the
+kernel and the reference read a cache with shuffled block tables, as a long-running server would.
+
+    python -m benchmarks.attention [--batch 64] [--context 1024] [--dtype float32 bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from cache.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_OUTPUT = Path(__file__).parent / "results" / "attention.json"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64, help="decode requests in the step")
+    parser.add_argument("--context", type=int, default=1024, help="context tokens per request")
+    parser.add_argument(
+        "--dtype", nargs="+", choices=sorted(DTYPES), default=["float32", "bfloat16"]
+    )
+    # Defaults are the default model's shapes (SmolLM2-135M: 9 query heads, 3 kv heads, dim 64).
+    parser.add_argument("--num-heads", type=int, default=9)
+    parser.add_argument("--num-kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=15, help="timed rounds (median reported)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    return parser.parse_args(argv)
+
+
+def make_decode_step(args: argparse.Namespace, dtype: torch.dtype, generator: torch.Generator):
+    """Random cache + metadata for `batch` decode tokens; returns (query, caches, meta, sdpa inputs)."""
+    num_blocks_per_req = -(-args.context // args.block_size)
+    num_blocks = args.batch * num_blocks_per_req
+    cache_shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
+    key_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    value_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    # Shuffled tables: each request's blocks are scattered across the cache.
+    block_tables = torch.randperm(num_blocks, generator=generator).view(args.batch, -1).int()
+    query = torch.randn(args.batch, args.num_heads, args.head_dim, generator=generator).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(args.batch, dtype=torch.int64),  # unused by forward
+        block_tables=block_tables,
+        query_start_loc=torch.arange(args.batch + 1, dtype=torch.int32),
+        seq_lens=torch.full((args.batch,), args.context, dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=args.context,
+    )
+
+    # SDPA's inputs: the same K/V gathered once, outside the timed region.
+    def contiguous(cache: torch.Tensor) -> torch.Tensor:
+        rows = cache[block_tables.long()]  # [batch, blocks_per_req, block_size, kv_heads, D]
+        rows = rows.flatten(1, 2)[:, : args.context]  # [batch, context, kv_heads, D]
+        return rows.transpose(1, 2).contiguous()  # [batch, kv_heads, context, D]
+
+    sdpa_inputs = (query.unsqueeze(2), contiguous(key_cache), contiguous(value_cache))
+    return query, key_cache, value_cache, meta, sdpa_inputs
+
+
+def time_interleaved(
+    candidates: dict[str, Callable[[], torch.Tensor]], repeats: int
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Run each candidate once per round (after a warm-up round).
+
+    Returns per candidate (wall seconds, process CPU seconds) per call. CPU time, summed over
+    threads, is the steadier number on a shared machine where wall time includes waiting.
+    """
+    for run in candidates.values():
+        run()
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in candidates}
+    for _ in range(repeats):
+        for name, run in candidates.items():
+            wall_start, cpu_start = time.perf_counter(), time.process_time()
+            run()
+            times[name][0].append(time.perf_counter() - wall_start)
+            times[name][1].append(time.process_time() - cpu_start)
+    return times
+
+
+def bench_dtype(args: argparse.Namespace, dtype_name: str) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    generator = torch.Generator().manual_seed(0)
+    query, key_cache, value_cache, meta, (q4, k4, v4) = make_decode_step(args, dtype, generator)
+    scale = args.head_dim**-0.5
+    cpu_backend = get_attention_backend("cpu", torch.device("cpu"))
+    reference = TorchPagedAttention()
+    candidates = {
+        "cpu": lambda: cpu_backend.forward(query, key_cache, value_cache, meta, scale),
+        "torch_ref": lambda: reference.forward(query, key_cache, value_cache, meta, scale),
+        "sdpa_contiguous": lambda: F.scaled_dot_product_attention(
+            q4, k4, v4, scale=scale, enable_gqa=True
+        ),
+    }
+    max_error = (candidates["cpu"]().float() - candidates["torch_ref"]().float()).abs().max().item()
+    times = time_interleaved(candidates, args.repeats)
+    kernel_wall, kernel_cpu = (statistics.median(samples) for samples in times["cpu"])
+    return [
+        {
+            "impl": name,
+            "dtype": dtype_name,
+            "median_ms": statistics.median(wall) * 1e3,
+            "min_ms": min(wall) * 1e3,
+            "median_cpu_time_ms": statistics.median(cpu) * 1e3,
+            # > 1: the cpu kernel is faster than this implementation.
+            "cpu_speedup": statistics.median(wall) / kernel_wall,
+            "cpu_speedup_by_cpu_time": statistics.median(cpu) / kernel_cpu,
+            "cpu_max_abs_error_vs_ref": max_error,
+        }
+        for name, (wall, cpu) in times.items()
+    ]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [row for dtype_name in args.dtype for row in bench_dtype(args, dtype_name)]
+    print(
+        f"decode step: {args.batch} requests x {args.context} context, heads {args.num_heads}/"
+        f"{args.num_kv_heads}, head_dim {args.head_dim}, block {args.block_size}, "
+        f"{torch.get_num_threads()} threads, median of {args.repeats}"
+    )
+    print(
+        f"{'impl':<16} {'dtype':<9} {'median ms':>10} {'min ms':>8} {'cpu-time ms':>12} "
+        f"{'cpu kernel x faster (wall, cpu-time)':>38}"
+    )
+    for row in rows:
+        print(
+            f"{row['impl']:<16} {row['dtype']:<9} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f} "
+            f"{row['median_cpu_time_ms']:>12.2f} {row['cpu_speedup']:>25.2f} "
+            f"{row['cpu_speedup_by_cpu_time']:>12.2f}"
+        )
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    config = {key: value for key, value in vars(args).items() if key != "output"}
+    config["threads"] = torch.get_num_threads()
+    args.output.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
+    print(f"wrote {args.output}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Triton paged attention backend (CUDA; CPU tensors only under ``TRITON_INTERPRET=1``).
+
+Triton is imported lazily (``triton_kernels`` at construction), so the package imports and the
+other backends work on machines without triton.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from cache.attention.metadata import AttentionMetadata
+
+_BLOCK_N = 32  # key positions per step: [BLOCK_M, 32] scores stay in registers
+_MIN_BLOCK_M = 16  # tl.dot needs >= 16 rows on GPUs
+
+
+def _load_kernels() -> ModuleType:
+    try:
+        from cache.attention import triton_kernels
+    except ImportError as error:
+        raise RuntimeError(f"the triton attention backend needs triton: {error}") from error
+    return triton_kernels
+
+
+class TritonPagedAttention:
+    """Paged attention and K/V store as Triton kernels; one launch serves a mixed batch.
+
+    Grid: (request, kv head, query tile); each program covers TOKENS_PER_TILE tokens times the
+    kv head's GROUP_SIZE query heads, so GQA shares each K/V load across its query heads.
+    """
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._kernels = _load_kernels()
+
+    def store_kv(
+        self,
+        key: Tensor,
+        value: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        slot_mapping: Tensor,
+    ) -> None:
+        num_tokens = key.shape[0]
+        row_size = key_cache.shape[2] * key_cache.shape[3]  # num_kv_heads * head_dim
+        block = min(1024, 1 << (row_size - 1).bit_length())
+        grid = (num_tokens, -(-row_size // block))
+        self._kernels.store_kv_kernel[grid](
+            key.contiguous(),
+            value.contiguous(),
+            key_cache,
+            value_cache,
+            slot_mapping,
+            row_size,
+            BLOCK=block,
+        )
+
+    def forward(
+        self,
+        query: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> Tensor:
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = key_cache.shape[2]
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
+        group_size = num_heads // num_kv_heads
+        block_m = max(_MIN_BLOCK_M, 1 << (group_size - 1).bit_length())
+        tokens_per_tile = block_m // group_size
+        query = query.contiguous()  # [num_tokens, num_heads, head_dim]
+        output = torch.empty_like(query)
+        grid = (meta.num_reqs, num_kv_heads, -(-meta.max_query_len // tokens_per_tile))
+        self._kernels.paged_attention_kernel[grid](
+            output,
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            meta.block_tables.shape[1],
+            key_cache.shape[1],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            GROUP_SIZE=group_size,
+            TOKENS_PER_TILE=tokens_per_tile,
+            BLOCK_M=block_m,
+            BLOCK_N=_BLOCK_N,
+            BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
+            DOT_FP32=query.dtype == torch.float32 or query.device.type == "cpu",
+        )
+        return output

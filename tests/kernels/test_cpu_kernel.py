@@ -1,0 +1,114 @@
+"""The C++ CPU kernel agrees with the torch reference on mixed batches over the layout space."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache.attention import AttentionMetadata
+
+# Decode with context, whole prefill, a first token, a prefill chunk after a cached prefix that
+# spans several query tiles, and a short chunk after a prefix.
+MIXED_QUERY_LENS = [1, 9, 1, 37, 3]
+MIXED_SEQ_LENS = [37, 9, 1, 70, 20]
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group_size", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_matches_reference_on_mixed_batch(
+    cpu_backend, paged_batch, matches_reference, block_size, head_dim, group_size, dtype
+):
+    batch = paged_batch(
+        MIXED_QUERY_LENS,
+        MIXED_SEQ_LENS,
+        num_heads=2 * group_size,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=block_size + head_dim,
+    )
+    matches_reference(cpu_backend, batch)
+
+
+def test_cpu_kernel_matches_reference_in_float16(cpu_backend, paged_batch, matches_reference):
+    batch = paged_batch(
+        MIXED_QUERY_LENS,
+        MIXED_SEQ_LENS,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float16,
+    )
+    matches_reference(cpu_backend, batch)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_cpu_kernel_matches_reference_on_decode_only_batch(
+    cpu_backend, paged_batch, matches_reference, num_threads
+):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        batch = paged_batch(
+            [1] * 6,
+            [300, 17, 1, 64, 65, 129],
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            block_size=16,
+        )
+        matches_reference(cpu_backend, batch)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_cpu_kernel_handles_odd_head_dim_and_long_chunk(
+    cpu_backend, paged_batch, matches_reference
+):
+    batch = paged_batch(
+        [100],
+        [130],
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=40,
+        block_size=7,
+        seed=3,
+    )
+    matches_reference(cpu_backend, batch)
+
+
+def test_cpu_kernel_rejects_int64_block_tables_with_clear_error(cpu_backend, paged_batch):
+    query, key_cache, value_cache, meta = paged_batch(
+        [1], [4], num_heads=2, num_kv_heads=2, head_dim=8, block_size=4
+    )
+    bad_meta = AttentionMetadata(
+        meta.slot_mapping,
+        meta.block_tables.long(),
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.max_query_len,
+        meta.max_seq_len,
+    )
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_backend.forward(query, key_cache, value_cache, bad_meta, 1.0)
+
+
+def test_cpu_kernel_rejects_seq_len_beyond_block_table(cpu_backend, paged_batch):
+    query, key_cache, value_cache, meta = paged_batch(
+        [1], [4], num_heads=2, num_kv_heads=2, head_dim=8, block_size=4
+    )
+    capacity = meta.block_tables.shape[1] * key_cache.shape[1]
+    too_long = AttentionMetadata(
+        meta.slot_mapping,
+        meta.block_tables,
+        meta.query_start_loc,
+        torch.tensor([capacity + 1], dtype=torch.int32),
+        meta.max_query_len,
+        capacity + 1,
+    )
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        cpu_backend.forward(query, key_cache, value_cache, too_long, 1.0)
