@@ -36,6 +36,16 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
                 param)
 
 
+def encode_text(engine: EngineClient, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """Tokenize user text; text that is not valid Unicode (a lone surrogate) is a 400."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid_request("The text is not valid Unicode (it contains a lone surrogate).",
+                              param) from None
+    return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]],
                        engine: EngineClient) -> list[Prompt]:
     """One `Prompt` per prompt of a /v1/completions request; empty prompts are rejected."""
@@ -49,7 +59,7 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]],
         if not item:
             raise invalid_request("The prompt must not be empty.", "prompt")
         if isinstance(item, str):
-            prompts.append(Prompt(engine.tokenizer.encode(item), item))
+            prompts.append(Prompt(encode_text(engine, item, "prompt"), item))
         else:
             check_token_ids(item, engine.vocab_size, "prompt")
             prompts.append(Prompt(list(item), engine.tokenizer.decode(item)))
@@ -65,7 +75,7 @@ def chat_prompt(messages: list[ChatMessage], engine: EngineClient) -> Prompt:
     except ValueError as exc:  # no template, or the template rejects the conversation
         raise invalid_request(f"Cannot apply the chat template: {exc}", "messages") from exc
     # The template already contains the special tokens (BOS...), so the tokenizer adds none.
-    return Prompt(engine.tokenizer.encode(text, add_special_tokens=False), text)
+    return Prompt(encode_text(engine, text, "messages", add_special_tokens=False), text)
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from server.errors import invalid_request
-from server.prompts import chat_prompt, check_model, check_token_ids
+from server.prompts import chat_prompt, check_model, check_token_ids, encode_text
 from server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -25,7 +25,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if body.messages is not None:
         token_ids = chat_prompt(body.messages, engine).token_ids
     else:
-        token_ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        token_ids = encode_text(engine, body.prompt, "prompt", body.add_special_tokens)
     return TokenizeResponse(tokens=token_ids, count=len(token_ids),
                             max_model_len=engine.max_model_len)
 
