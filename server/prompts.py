@@ -79,7 +79,8 @@ def chat_prompt(messages: list[ChatMessage], engine: EngineClient) -> Prompt:
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int,
-                       max_model_len: int, prompt_param: str) -> int:
+                       max_model_len: int, prompt_param: str,
+                       max_tokens_param: str = "max_tokens") -> int:
     """The max_tokens to run with. Absent: `default` capped at the remaining context (the whole
     remaining context when `default` is None). Raises 400 when the context cannot fit."""
     num_remaining_tokens = max_model_len - num_prompt_tokens
@@ -93,8 +94,8 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_to
         raise invalid_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
-            f"prompt, {requested} for the completion). Reduce the prompt or max_tokens.",
-            "max_tokens")
+            f"prompt, {requested} for the completion). Reduce the prompt or {max_tokens_param}.",
+            max_tokens_param)
     return requested
 
 

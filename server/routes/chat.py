@@ -63,8 +63,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     prompt = chat_prompt(body.messages, engine)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(requested, None, len(prompt.token_ids), engine.max_model_len,
-                                    "messages")
+                                    "messages", max_tokens_param)
     num_top = _logprobs_count(body)
     params = body.to_sampling_params(max_tokens, num_top,
                                      parse_logit_bias(body.logit_bias, engine.vocab_size))
