@@ -1,0 +1,232 @@
+"""Engine test helpers: tiny random HF models of four families, the default model, Hugging Face
+greedy references (with their near-tie information) and a checked run-to-completion loop.
+
+HF references always run with `sdpa` attention: `hf_greedy_reference` switches the model there and
+back explicitly, because the engine switches a model it is given to "pagedserve".
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import engine.model_runner  # noqa: F401 - registers the "pagedserve" attention implementation
+from configs import SamplingParams, load_engine_config
+from configs.engine import DEFAULT_MODEL, ModelConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader import LoadedModel, load_model, resolve_model_path
+from scheduler import SchedulerOutput
+
+# A divergence from HF is accepted only where HF's own best two tokens are this close (logprob).
+NEAR_TIE_LOGPROB_GAP = 1e-4
+TINY_VOCAB_SIZE = 1024  # token ids below it decode with the default model's tokenizer
+TINY_MAX_MODEL_LEN = 512
+
+_COMMON = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+               max_position_embeddings=TINY_MAX_MODEL_LEN, initializer_range=0.1,
+               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# family -> (model class, config); GQA and MHA, head_dim 16 and 32, 2-4 layers.
+TINY_FAMILIES: dict[str, tuple[type, PretrainedConfig]] = {
+    "llama-gqa": (LlamaForCausalLM, LlamaConfig(num_hidden_layers=2, num_attention_heads=4,
+                                                 num_key_value_heads=2, head_dim=16, **_COMMON)),
+    "llama-mha": (LlamaForCausalLM, LlamaConfig(num_hidden_layers=2, num_attention_heads=2,
+                                                 num_key_value_heads=2, head_dim=32, **_COMMON)),
+    "qwen2-gqa": (Qwen2ForCausalLM, Qwen2Config(num_hidden_layers=3, num_attention_heads=4,
+                                                 num_key_value_heads=1, use_sliding_window=False,
+                                                 **_COMMON)),
+    "qwen3-gqa": (Qwen3ForCausalLM, Qwen3Config(num_hidden_layers=2, num_attention_heads=4,
+                                                 num_key_value_heads=2, head_dim=32,
+                                                 use_sliding_window=False, **_COMMON)),
+    "mistral-gqa": (MistralForCausalLM, MistralConfig(num_hidden_layers=4, num_attention_heads=4,
+                                                       num_key_value_heads=2, head_dim=16,
+                                                       sliding_window=None, **_COMMON)),
+}
+
+
+# ---- models ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def single_intra_op_thread():
+    """One intra-op thread: on a shared 2-core machine, OpenMP threads that wait on each other
+    under contention make small forwards 10-40x slower (measured); restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The converted default model (converted from the shipped GGUF on first use, never downloaded)."""
+    path, _ = resolve_model_path(DEFAULT_MODEL)
+    return path
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path: Path):
+    return AutoTokenizer.from_pretrained(default_model_path, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def default_loaded(default_model_path: Path) -> LoadedModel:
+    """The default model in float32, shared by every engine of the session (and the references)."""
+    return load_model(ModelConfig(model=str(default_model_path), dtype="float32"), "cpu")
+
+
+def make_tiny_model(family: str, tokenizer, seed: int = 0) -> LoadedModel:
+    """A seeded random float32 model of `family`, wrapped as the engine's `LoadedModel`."""
+    model_class, config = TINY_FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_class(config.__class__.from_dict(config.to_dict())).float().eval()
+    return LoadedModel(model, tokenizer, model.config, Path("."), TINY_MAX_MODEL_LEN)
+
+
+def make_engine(loaded: LoadedModel, **settings: object) -> LLMEngine:
+    """An engine over a pre-loaded model; `settings` are flat CLI names (block_size, ...)."""
+    settings.setdefault("dtype", "float32")
+    settings.setdefault("num_kv_blocks", 512)  # not the 512 MiB default budget: allocating it is slow
+    settings.setdefault("device", "cpu")
+    return LLMEngine(load_engine_config(cli=settings, environ={}), loaded=loaded)
+
+
+# ---- Hugging Face references -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reference:
+    """HF greedy output, plus per position the tokens within NEAR_TIE_LOGPROB_GAP of the best."""
+
+    token_ids: list[int]
+    near_tie_token_ids: list[frozenset[int]]
+    top2_gaps: list[float]
+
+
+def hf_greedy_reference(model: torch.nn.Module, prompt_token_ids: list[int], max_new_tokens: int) -> Reference:
+    """`model.generate` for one prompt, greedy, EOS disabled (so exactly `max_new_tokens` come back).
+
+    EOS is disabled rather than banned: `min_new_tokens` would mask EOS's logit and change the
+    argmax, while the engine's `ignore_eos=True` keeps sampling EOS like any other token.
+    """
+    previous = model.config._attn_implementation
+    previous_eos = model.generation_config.eos_token_id
+    model.set_attn_implementation("sdpa")
+    model.generation_config.eos_token_id = None  # a None in our config would fall back to it
+    generation_config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+        output_logits=True, return_dict_in_generate=True,
+    )
+    try:
+        with torch.inference_mode():
+            input_ids = torch.tensor([prompt_token_ids])
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                 generation_config=generation_config)
+    finally:
+        model.set_attn_implementation(previous)
+        model.generation_config.eos_token_id = previous_eos
+    token_ids = out.sequences[0, len(prompt_token_ids):].tolist()
+    assert len(token_ids) == max_new_tokens
+    near_ties, gaps = [], []
+    for logits in out.logits:
+        logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+        top2 = logprobs.topk(2).values
+        gaps.append(float(top2[0] - top2[1]))
+        near_ties.append(frozenset((logprobs >= top2[0] - NEAR_TIE_LOGPROB_GAP).nonzero()[:, 0].tolist()))
+    return Reference(token_ids, near_ties, gaps)
+
+
+def assert_matches_reference(actual: list[int], reference: Reference, label: str) -> int | None:
+    """Token-identical, or diverging only at a documented near-tie of the reference.
+
+    Returns the diverging position (None if identical). A near-tie divergence is reported with a
+    warning, never silently: the engine's token must be one of HF's near-tied best tokens there.
+    """
+    for position, (got, want) in enumerate(zip(actual, reference.token_ids, strict=False)):
+        if got != want:
+            gap = reference.top2_gaps[position]
+            assert gap < NEAR_TIE_LOGPROB_GAP and got in reference.near_tie_token_ids[position], (
+                f"{label}: engine diverges from HF at output position {position}: engine {got}, HF {want}, "
+                f"HF top-2 logprob gap {gap:.3g} (not a near-tie)\n engine {actual}\n HF     {reference.token_ids}"
+            )
+            warnings.warn(f"{label}: accepted near-tie divergence at position {position} (gap {gap:.2g})",
+                          stacklevel=2)
+            return position
+    assert len(actual) == len(reference.token_ids), f"{label}: {len(actual)} tokens, HF {len(reference.token_ids)}"
+    return None
+
+
+# ---- running the engine ------------------------------------------------------------------------
+
+
+@dataclass
+class EngineRun:
+    """What a run produced: keyed by request id for choice 0, by (request id, index) for the others."""
+
+    token_ids: dict = field(default_factory=dict)
+    texts: dict = field(default_factory=dict)
+    finish_reasons: dict = field(default_factory=dict)
+    plans: list[SchedulerOutput] = field(default_factory=list)
+    max_ref_counts: list[int] = field(default_factory=list)  # highest block ref count after each step
+
+
+def record_plans(engine: LLMEngine, run: EngineRun) -> None:
+    """Keep every plan the scheduler makes (wraps this engine's `schedule`)."""
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule() -> SchedulerOutput:
+        plan = schedule()
+        run.plans.append(plan)
+        return plan
+
+    engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+
+
+def run_to_completion(engine: LLMEngine, run: EngineRun | None = None, max_steps: int = 50_000) -> EngineRun:
+    """Step until nothing is left; check invariants every step and that every block is free at the end."""
+    if run is None:
+        run = EngineRun()
+        record_plans(engine, run)
+    block_manager = engine.block_manager
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for delta in engine.step():
+            key = delta.request_id if delta.index == 0 else (delta.request_id, delta.index)
+            run.token_ids.setdefault(key, []).extend(delta.new_token_ids)
+            run.texts[key] = run.texts.get(key, "") + delta.new_text
+            if delta.finished:
+                run.finish_reasons[key] = delta.finish_reason
+        block_manager.check_invariants()
+        run.max_ref_counts.append(max(block.ref_count for block in block_manager.pool.blocks))
+    else:
+        raise AssertionError(f"no completion after {max_steps} steps")
+    assert not block_manager.tables, "a finished run left block tables behind"
+    assert block_manager.num_free_blocks == block_manager.pool.num_blocks, "blocks leaked"
+    return run
+
+
+def greedy_params(max_tokens: int, **overrides: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **overrides)
+
+
+def add_requests(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams) -> None:
+    for request_id, prompt_token_ids in prompts.items():
+        engine.add_request(request_id, prompt_token_ids, params)

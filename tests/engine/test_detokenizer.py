@@ -1,0 +1,78 @@
+"""IncrementalDetokenizer with the default model's byte-level BPE tokenizer: deltas add up to the
+full decode, never split a UTF-8 character (emoji, CJK), and stop strings are cut without ever
+leaking a prefix of a match mid-stream."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.detokenizer import IncrementalDetokenizer
+
+MULTIBYTE_TEXT = "Hi 👋🏽 世界 🚀 café — ÅÄÖ 🇯🇵 naïve 한국어 text 🧑‍🚀!"
+PROMPT = "Say something:"
+
+
+def _stream(tokenizer, text: str, stop: tuple[str, ...] = (), include_stop: bool = False, prompt: str = PROMPT):
+    """Feed `text`'s tokens one at a time; return (deltas, hit, flushed tail)."""
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), stop, include_stop)
+    deltas = []
+    for token_id in tokenizer.encode(text):
+        delta, hit = detokenizer.add([token_id])
+        deltas.append(delta)
+        if hit:
+            return deltas, True, ""
+    return deltas, False, detokenizer.flush()
+
+
+def test_multibyte_tokens_really_split_characters(default_tokenizer):
+    pieces = [default_tokenizer.decode([t]) for t in default_tokenizer.encode(MULTIBYTE_TEXT)]
+    assert any("\ufffd" in piece for piece in pieces), "the fixture text must split UTF-8 characters"
+
+
+def test_incremental_text_equals_full_decode_and_never_splits_a_character(default_tokenizer):
+    deltas, hit, tail = _stream(default_tokenizer, MULTIBYTE_TEXT)
+    assert not hit
+    assert "".join(deltas) + tail == default_tokenizer.decode(default_tokenizer.encode(MULTIBYTE_TEXT))
+    assert all("\ufffd" not in delta for delta in deltas)
+
+
+def test_incremental_text_keeps_the_leading_space_of_the_first_output_token(default_tokenizer):
+    deltas, _, tail = _stream(default_tokenizer, " hello world", prompt="Greeting:")
+    assert "".join(deltas) + tail == " hello world"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(alphabet=st.sampled_from(list("ab ,.\n世界東京한국🚀👋🏽éß—")), min_size=1, max_size=40))
+def test_any_text_streams_to_its_full_decode_without_broken_characters(default_tokenizer, text):
+    deltas, _, tail = _stream(default_tokenizer, text)
+    assert "".join(deltas) + tail == default_tokenizer.decode(default_tokenizer.encode(text))
+    assert all("\ufffd" not in delta for delta in deltas)
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "include", "expected"),
+    [
+        ("The answer is 42. END of story", ("END",), False, "The answer is 42. "),
+        ("The answer is 42. END of story", ("END",), True, "The answer is 42. END"),
+        ("one ## two ### three", ("###",), False, "one ## two "),
+        ("first line\n\nsecond line", ("\n\n", "line"), False, "first "),
+        ("世界 🚀 stop here 東京", ("🚀",), True, "世界 🚀"),
+        ("alphabetagamma", ("beta", "gamma"), False, "alpha"),
+    ],
+)
+def test_stop_string_is_cut_and_no_prefix_of_it_leaks_mid_stream(default_tokenizer, text, stop, include, expected):
+    deltas, hit, _ = _stream(default_tokenizer, text, stop, include)
+    assert hit
+    assert "".join(deltas) == expected
+    emitted = ""
+    for delta in deltas:  # every intermediate stream is a prefix of the final, cut text
+        emitted += delta
+        assert expected.startswith(emitted), f"leaked {emitted!r} beyond {expected!r}"
+
+
+def test_partial_stop_string_is_released_once_it_cannot_match(default_tokenizer):
+    deltas, hit, tail = _stream(default_tokenizer, "a EN then E and EN done", ("END",))
+    assert not hit
+    assert "".join(deltas) + tail == "a EN then E and EN done"

@@ -1,0 +1,207 @@
+"""Sampler unit tests on hand-made logits, and engine-level sampling: seeded reproducibility
+independent of the batch, min_tokens, and n=4 sharing the prompt's blocks with copy-on-write."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from configs import SamplingParams
+from engine.sampler import Sampler, SamplingRow
+from tests.engine.conftest import (
+    EngineRun,
+    make_engine,
+    make_tiny_model,
+    record_plans,
+    run_to_completion,
+)
+
+EOS = 2
+
+
+def _row(params: SamplingParams, *, prompt=(5,), output=(), seed: int | None = None, banned=()) -> SamplingRow:
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return SamplingRow("r", params, list(prompt), list(output), EOS, generator, list(banned))
+
+
+def _draw_many(logits: list[float], params: SamplingParams, num_draws: int = 2000) -> list[int]:
+    row = _row(params, seed=0)
+    sampler = Sampler(seed=0)
+    tensor = torch.tensor([logits])
+    return [sampler.sample(tensor, [row])[0].token_id for _ in range(num_draws)]
+
+
+# ---- Sampler units -----------------------------------------------------------------------------
+
+
+def test_greedy_picks_the_argmax_of_each_row():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
+    rows = [_row(SamplingParams(temperature=0.0)) for _ in range(2)]
+    assert [r.token_id for r in Sampler().sample(logits, rows)] == [1, 0]
+
+
+def test_temperature_sampling_follows_the_softmax_of_scaled_logits():
+    logits = [0.0, math.log(3.0), -30.0]  # p = [0.25, 0.75, ~0] at T=1; at T=2: [1/(1+sqrt3), ...]
+    draws = _draw_many(logits, SamplingParams(temperature=2.0))
+    expected_p1 = math.sqrt(3.0) / (1.0 + math.sqrt(3.0))
+    assert abs(draws.count(1) / len(draws) - expected_p1) < 0.04
+    assert 2 not in draws
+
+
+def test_low_temperature_sampling_is_effectively_greedy():
+    draws = _draw_many([1.0, 1.5, 0.5], SamplingParams(temperature=0.01), num_draws=200)
+    assert set(draws) == {1}
+
+
+def test_top_k_samples_only_the_k_most_likely_tokens():
+    draws = _draw_many([1.0, 1.2, 1.1, 0.9, 1.05], SamplingParams(temperature=1.0, top_k=2))
+    assert set(draws) == {1, 2}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).tolist()
+    draws = _draw_many(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert set(draws) == {0, 1}
+
+
+def test_min_p_drops_tokens_below_min_p_times_the_best():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).tolist()
+    draws = _draw_many(logits, SamplingParams(temperature=1.0, min_p=0.35))  # threshold 0.175
+    assert set(draws) == {0, 1}
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    sampler = Sampler()
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    # token 0 (seen, 2.0 -> 1.0) loses to token 1 (unseen, 1.9)
+    assert sampler.sample(torch.tensor([[2.0, 1.9, 0.0]]), [_row(params, prompt=[0])])[0].token_id == 1
+    # seen negative logit gets more negative: token 2 (-0.1 -> -0.2) loses to token 1 (-0.15)
+    logits = torch.tensor([[-5.0, -0.15, -0.1]])
+    assert sampler.sample(logits, [_row(params, prompt=[2])])[0].token_id == 1
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only():
+    sampler = Sampler()
+    logits = torch.tensor([[2.0, 1.5, 0.0]])
+    frequency = SamplingParams(temperature=0.0, frequency_penalty=0.3)
+    assert sampler.sample(logits, [_row(frequency, prompt=[0, 0, 0], output=[0])])[0].token_id == 0  # 1.7 > 1.5
+    assert sampler.sample(logits, [_row(frequency, output=[0, 0])])[0].token_id == 1  # 1.4 < 1.5
+    presence = SamplingParams(temperature=0.0, presence_penalty=0.6)
+    assert sampler.sample(logits, [_row(presence, output=[0])])[0].token_id == 1  # 1.4 < 1.5
+
+
+def test_logit_bias_shifts_the_chosen_token():
+    params = SamplingParams(temperature=0.0, logit_bias={3: 10.0, 0: -100.0})
+    assert Sampler().sample(torch.tensor([[5.0, 1.0, 0.0, -4.0]]), [_row(params)])[0].token_id == 3
+
+
+def test_banned_tokens_below_min_tokens_are_never_sampled():
+    logits = torch.tensor([[0.0, 0.0, 50.0, 0.0]])  # EOS (2) is by far the best
+    greedy = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8)
+    assert Sampler().sample(logits, [_row(greedy, banned=[EOS])])[0].token_id != EOS
+    draws = _draw_many([0.0, 0.0, 50.0, 0.0], SamplingParams(temperature=1.0), num_draws=1)
+    assert draws == [EOS]
+    sampled = {Sampler(seed=s).sample(logits, [_row(SamplingParams(temperature=1.0), banned=[EOS])])[0].token_id
+               for s in range(20)}
+    assert EOS not in sampled
+
+
+def test_logprobs_are_the_log_softmax_of_the_raw_logits_with_top_alternatives():
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0, 0.5]])
+    params = SamplingParams(temperature=0.0, logprobs=3)
+    result = Sampler().sample(logits, [_row(params)])[0]
+    expected = torch.log_softmax(logits[0], dim=-1)
+    assert result.token_id == 1
+    assert result.logprob.token_id == 1 and result.logprob.logprob == pytest.approx(float(expected[1]), abs=1e-6)
+    ids = [token_id for token_id, _ in result.logprob.top_logprobs]
+    assert ids == [1, 2, 0]
+    for token_id, value in result.logprob.top_logprobs:
+        assert value == pytest.approx(float(expected[token_id]), abs=1e-6)
+    only_chosen = Sampler().sample(logits, [_row(SamplingParams(temperature=0.0, logprobs=0))])[0]
+    assert only_chosen.logprob.top_logprobs == ()
+
+
+def test_one_failing_row_does_not_fail_the_others():
+    logits = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    rows = [_row(SamplingParams(temperature=0.0)),
+            _row(penalised, prompt=[10**6]),  # a token id outside the vocabulary: this row raises
+            _row(SamplingParams(temperature=0.7), seed=1)]
+    results = Sampler().sample(logits, rows)
+    assert results[0].token_id == 1
+    assert isinstance(results[1], Exception)
+    assert not isinstance(results[2], Exception) and 0 <= results[2].token_id < 3
+
+
+def test_seeded_rows_draw_the_same_token_regardless_of_neighbours():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=1.0)
+    alone = [Sampler(seed=1).sample(logits, [_row(params, seed=9)])[0].token_id for _ in range(3)]
+    others = torch.randn(3, 50)
+    batch = torch.cat([others[:2], logits, others[2:]])
+    rows = [_row(params), _row(params), _row(params, seed=9), _row(params, seed=4)]
+    assert Sampler(seed=5).sample(batch, rows)[2].token_id == alone[0]
+
+
+# ---- engine-level ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(default_tokenizer):
+    return make_tiny_model("llama-gqa", default_tokenizer, seed=1)
+
+
+def _generate_alone(loaded, prompt, params, **settings) -> list[int]:
+    engine = make_engine(loaded, **settings)
+    engine.add_request("alone", prompt, params)
+    return run_to_completion(engine).token_ids["alone"]
+
+
+def test_seeded_request_gives_the_same_output_alone_and_amid_other_requests(tiny_loaded):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    prompt = [17, 300, 42, 999, 8, 64, 7]
+    alone = _generate_alone(tiny_loaded, prompt, params, block_size=4)
+    assert alone == _generate_alone(tiny_loaded, prompt, params, block_size=4)
+    engine = make_engine(tiny_loaded, block_size=4, max_num_batched_tokens=20)
+    engine.add_request("long", list(range(3, 60)), SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True))
+    engine.add_request("other-seed", prompt, SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True))
+    engine.add_request("seeded", prompt, params)
+    engine.add_request("unseeded", prompt[:3], SamplingParams(temperature=1.5, max_tokens=5, ignore_eos=True))
+    engine.add_request("twin", prompt, params)
+    run = run_to_completion(engine)
+    assert run.token_ids["seeded"] == alone
+    assert run.token_ids["twin"] == alone
+    assert run.token_ids["other-seed"] != alone[:10]
+
+
+def test_min_tokens_bans_eos_until_reached(tiny_loaded):
+    params = SamplingParams(temperature=0.0, min_tokens=5, max_tokens=10, logit_bias={EOS: 100.0})
+    engine = make_engine(tiny_loaded, block_size=4)
+    assert engine.eos_token_ids == [EOS]
+    engine.add_request("r", [5, 6, 7], params)
+    run = run_to_completion(engine)
+    assert run.token_ids["r"][:5].count(EOS) == 0
+    assert run.token_ids["r"][5] == EOS and len(run.token_ids["r"]) == 6
+    assert run.finish_reasons["r"] == "stop"
+
+
+def test_n4_shares_prompt_blocks_then_diverges_by_copy_on_write_and_frees_everything(tiny_loaded):
+    prompt = [int(t) for t in torch.randint(3, 1000, (21,), generator=torch.Generator().manual_seed(5))]
+    params = SamplingParams(n=4, temperature=1.0, seed=77, max_tokens=12, ignore_eos=True)
+    engine = make_engine(tiny_loaded, block_size=4, num_kv_blocks=64)
+    run = EngineRun()
+    record_plans(engine, run)
+    engine.add_request("fan", prompt, params)
+    run_to_completion(engine, run)
+    assert max(run.max_ref_counts) == 4, "the four choices never shared the prompt's full blocks"
+    assert any(plan.block_copies for plan in run.plans), "no copy-on-write happened"
+    outputs = [run.token_ids["fan"], *(run.token_ids[("fan", i)] for i in range(1, 4))]
+    assert all(len(output) == 12 for output in outputs)
+    assert len({tuple(output) for output in outputs}) == 4, "the choices did not diverge"
+    # choice i samples with seed + i: each must equal that seed run on its own (no KV corruption)
+    for index, output in enumerate(outputs):
+        alone = _generate_alone(tiny_loaded, prompt, SamplingParams(
+            temperature=1.0, seed=77 + index, max_tokens=12, ignore_eos=True), block_size=4)
+        assert output == alone, f"choice {index} differs from seed {77 + index} run alone"
