@@ -5,7 +5,9 @@ and the bookkeeping after every step (budgets, slots, exclusive writes, K/V read
 """
 
 import pytest
-from conftest import (
+
+from scheduler import AdmissionError, ModelRunnerOutput, RequestStatus
+from tests.conftest import (
     EOS_TOKEN_ID,
     FakeModelRunner,
     RunLog,
@@ -17,8 +19,6 @@ from conftest import (
     run_to_completion,
     step,
 )
-
-from scheduler import AdmissionError, ModelRunnerOutput, RequestStatus
 
 
 def ref_counts(scheduler):

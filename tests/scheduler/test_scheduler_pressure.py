@@ -5,7 +5,11 @@ preemption happens, the oldest request is never starved, and random workloads ke
 import random
 
 import pytest
-from conftest import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler import RequestStatus
+from tests.conftest import (
     FakeModelRunner,
     RunLog,
     check_all_free,
@@ -15,10 +19,6 @@ from conftest import (
     run_to_completion,
     step,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from scheduler import RequestStatus
 
 
 def add_workload(scheduler, seed, num_requests=32, priorities=False):

@@ -1,0 +1,205 @@
+"""Per-step breakdown of the engine's decode step at batch 1, 16 and 64, so the hot path shows.
+
+Calls the engine's pieces directly, in `LLMEngine.step`'s order, and times each phase: schedule,
+prepare (incl. copy-on-write copies), forward, sample, update (scheduler) and detokenize (the
+engine's per-request deltas). The baseline is the forward pass itself: everything else is
+overhead, reported as a share of the whole step (goal: <= 15% at batch 64).
+
+    python -m benchmarks.step [--batch-sizes 1 16 64] [--steps 10] [--prompt-tokens 128] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.workload import (
+    RESULTS_DIR,
+    WorkloadConfig,
+    build_prompts,
+    set_num_threads,
+    write_results,
+)
+
+PHASES = ("schedule", "prepare", "forward", "sample", "update", "detokenize")
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="context before decoding")
+    parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size")
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also write a torch profiler chrome trace of the largest batch",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "step.json")
+    return parser.parse_args(argv)
+
+
+def make_engine(args: argparse.Namespace, max_batch_size: int) -> Any:
+    from engine.llm import LLM
+
+    return LLM(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=max_batch_size,
+        attention_backend=args.attention_backend,
+        max_num_batched_tokens=max(512, max_batch_size),
+        enable_prefix_caching=False,
+    ).engine
+
+
+def fill_to_decode(engine: Any, prompts: list[list[int]]) -> list[str]:
+    """Queue one request per prompt and step until every one is decoding (prefills done).
+
+    Their max_tokens is as large as the context allows: none finishes while being timed."""
+    from configs import SamplingParams
+
+    request_ids = [f"step-{index}" for index in range(len(prompts))]
+    for request_id, prompt in zip(request_ids, prompts, strict=True):
+        params = SamplingParams(
+            temperature=0, max_tokens=engine.max_model_len - len(prompt), ignore_eos=True
+        )
+        engine.add_request(request_id, prompt, params)
+    scheduler = engine.scheduler
+    while scheduler.num_waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
+        engine.step()
+    return request_ids
+
+
+def drain(engine: Any, request_ids: list[str]) -> None:
+    """Abort the batch, so the next measurement starts from an empty engine."""
+    for request_id in request_ids:
+        engine.abort_request(request_id)
+
+
+def timed_step(engine: Any) -> dict[str, float]:
+    """One decode step, phase by phase, as `LLMEngine.step` runs it; seconds per phase.
+
+    NOTE: mirrors `step()` through the engine's private `_sampling_row` and `_delta`; the smoke
+    test fails if they change, so this breakdown cannot silently drift from the real step."""
+    from scheduler import ModelRunnerOutput
+
+    runner, clock = engine.runner, time.perf_counter
+    t0 = clock()
+    plan = engine.scheduler.schedule()
+    t1 = clock()
+    runner.cache_engine.copy_blocks(plan.block_copies)
+    batch = runner.prepare(plan)
+    t2 = clock()
+    logits = runner.forward(batch)
+    t3 = clock()
+    rows = [engine._sampling_row(s.request_id) for s in plan.requests if s.needs_sample]
+    results = engine.sampler.sample(logits, rows)
+    t4 = clock()
+    sampled = {row.request_id: result.token_id for row, result in zip(rows, results, strict=True)}
+    updates = engine.scheduler.update_from_output(plan, ModelRunnerOutput(sampled))
+    t5 = clock()
+    for update in updates:
+        engine._delta(update.request_id, update.new_token_ids, update.status, None)
+    t6 = clock()
+    if plan.num_batched_tokens != len(plan.requests):
+        raise RuntimeError("a timed step was not a pure decode step")
+    return dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5), strict=True))
+
+
+def measure(engine: Any, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """Median of each phase over `args.steps` decode steps at batch `len(prompts)`."""
+    request_ids = fill_to_decode(engine, prompts)
+    if engine.scheduler.num_running != len(prompts):
+        raise RuntimeError(f"only {engine.scheduler.num_running} of {len(prompts)} requests fit")
+    for _ in range(args.warmup_steps):
+        timed_step(engine)
+    samples = [timed_step(engine) for _ in range(args.steps)]
+    phases = {phase: _median([s[phase] for s in samples]) for phase in PHASES}
+    step_s = sum(phases.values())
+    overhead_s = step_s - phases["forward"]
+    drain(engine, request_ids)
+    return {
+        "batch_size": len(prompts),
+        "phases_ms": {k: v * 1e3 for k, v in phases.items()},
+        "step_ms": step_s * 1e3,
+        "overhead_fraction": overhead_s / step_s,
+        "decode_tokens_per_s": len(prompts) / step_s,
+    }
+
+
+def profile_steps(engine: Any, args: argparse.Namespace, prompts: list[list[int]]) -> Path:
+    """Chrome trace of a few whole decode steps at batch `len(prompts)`; prints the top ops."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    request_ids = fill_to_decode(engine, prompts)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+        for _ in range(min(3, args.steps)):
+            with record_function("LLMEngine.step"):
+                engine.step()
+    drain(engine, request_ids)
+    trace = args.output.parent / f"step_trace_batch{len(prompts)}.json"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(trace))
+    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    print(f"wrote {trace}")
+    return trace
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'batch':>5} "
+        + " ".join(f"{phase + ' ms':>13}" for phase in PHASES)
+        + f" {'step ms':>9} {'overhead':>9} {'tok/s':>8}"
+    )
+    for row in rows:
+        print(
+            f"{row['batch_size']:>5} "
+            + " ".join(f"{row['phases_ms'][phase]:>13.2f}" for phase in PHASES)
+            + f" {row['step_ms']:>9.2f} {row['overhead_fraction']:>9.1%}"
+            + f" {row['decode_tokens_per_s']:>8.1f}"
+        )
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    set_num_threads(args.num_threads)
+    engine = make_engine(args, max(args.batch_sizes))
+    workload = WorkloadConfig(
+        num_requests=max(args.batch_sizes),
+        min_prompt_tokens=args.prompt_tokens,
+        max_prompt_tokens=args.prompt_tokens,
+        seed=args.seed,
+    )
+    prompts = build_prompts(workload, engine.tokenizer)
+    rows = [measure(engine, args, prompts[:batch_size]) for batch_size in args.batch_sizes]
+    print(
+        f"decode step breakdown: {args.dtype}, context {args.prompt_tokens}+ tokens, "
+        f"median of {args.steps} steps, threads={args.num_threads or 'default'}"
+    )
+    print_table(rows)
+    if args.profile:
+        rows[-1]["trace"] = str(profile_steps(engine, args, prompts[: max(args.batch_sizes)]))
+    write_results(args.output, args, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""The shared, seeded benchmark workload and the helpers every benchmark uses to report.
+
+Prompts are windows of real English text tokenized offline: the docstrings of a fixed list of
+Python standard-library modules plus the Zen of Python (`this`). Nothing is downloaded, and the
+same seed gives the same prompts (token ids) with the same Python version and tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import contextlib
+import importlib
+import inspect
+import io
+import json
+import os
+import platform
+import random
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).parent / "results"
+# Modules whose docstrings make the corpus: prose-heavy, present in every CPython install.
+CORPUS_MODULES = (
+    "argparse",
+    "asyncio",
+    "collections",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "email",
+    "functools",
+    "heapq",
+    "http.client",
+    "inspect",
+    "itertools",
+    "json",
+    "logging",
+    "pathlib",
+    "pickle",
+    "random",
+    "re",
+    "shutil",
+    "socket",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "zipfile",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadConfig:
+    """Shape of the workload: prompt lengths uniform in [min, max], a fixed number of outputs."""
+
+    num_requests: int = 64
+    min_prompt_tokens: int = 32
+    max_prompt_tokens: int = 512
+    output_tokens: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_prompt_tokens <= self.max_prompt_tokens:
+            raise ValueError(
+                f"need 1 <= min_prompt_tokens <= max_prompt_tokens, got "
+                f"{self.min_prompt_tokens}, {self.max_prompt_tokens}"
+            )
+        if self.num_requests < 1 or self.output_tokens < 1:
+            raise ValueError("num_requests and output_tokens must be >= 1")
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    defaults = WorkloadConfig()
+    group = parser.add_argument_group("workload")
+    group.add_argument("--num-requests", type=int, default=defaults.num_requests)
+    group.add_argument("--min-prompt-tokens", type=int, default=defaults.min_prompt_tokens)
+    group.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
+    group.add_argument(
+        "--output-tokens",
+        type=int,
+        default=defaults.output_tokens,
+        help="exact output tokens per request (EOS ignored)",
+    )
+    group.add_argument("--seed", type=int, default=defaults.seed)
+
+
+def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
+    return WorkloadConfig(
+        args.num_requests,
+        args.min_prompt_tokens,
+        args.max_prompt_tokens,
+        args.output_tokens,
+        args.seed,
+    )
+
+
+def prompt_lengths(config: WorkloadConfig) -> list[int]:
+    """The seeded prompt length of each request (no tokenizer needed)."""
+    rng = random.Random(config.seed)
+    return [
+        rng.randint(config.min_prompt_tokens, config.max_prompt_tokens)
+        for _ in range(config.num_requests)
+    ]
+
+
+def corpus_text() -> str:
+    """Real prose from the standard library: module, class and function docstrings."""
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
+        import this
+    pieces = [codecs.decode(this.s, "rot13")]
+    with warnings.catch_warnings():  # reading deprecated members (typing.io) warns
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for module_name in CORPUS_MODULES:
+            module = importlib.import_module(module_name)
+            members = sorted(vars(module).items())
+            docs = [inspect.getdoc(module)] + [
+                inspect.getdoc(value)
+                for name, value in members
+                if not name.startswith("_") and callable(value)
+            ]
+            pieces.extend(doc for doc in docs if doc)
+    return "\n\n".join(dict.fromkeys(pieces))  # inherited docstrings repeat: keep each once
+
+
+def build_prompts(config: WorkloadConfig, tokenizer: Any) -> list[list[int]]:
+    """Token-id prompts: for each seeded length, a seeded window of the tokenized corpus."""
+    corpus_ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
+    if len(corpus_ids) < config.max_prompt_tokens:
+        raise ValueError(f"the corpus has {len(corpus_ids)} tokens, fewer than a prompt needs")
+    rng = random.Random(config.seed + 1)
+    prompts = []
+    for length in prompt_lengths(config):
+        start = rng.randrange(len(corpus_ids) - length + 1)
+        prompts.append(corpus_ids[start : start + length])
+    return prompts
+
+
+def load_tokenizer(model: str) -> Any:
+    """The engine's tokenizer for `model`, offline (the default model is converted on first use)."""
+    from transformers import AutoTokenizer
+
+    from engine.model_loader import resolve_model_path
+
+    path, _ = resolve_model_path(model)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def set_num_threads(num_threads: int | None) -> None:
+    """Pin torch's intra-op threads (None keeps torch's default). One value for every system
+    in a run, so ratios stay fair; 1 is steadier on a machine shared with other jobs."""
+    if num_threads is not None:
+        import torch
+
+        torch.set_num_threads(num_threads)
+
+
+def machine_info() -> dict[str, Any]:
+    """Where and with what a result was measured."""
+    cpu_model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            cpu_model = next(
+                (
+                    line.split(":", 1)[1].strip()
+                    for line in cpuinfo
+                    if line.startswith("model name")
+                ),
+                cpu_model,
+            )
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "python": platform.python_version(),
+        "load_average_1m": os.getloadavg()[0],
+    }
+    for package in ("torch", "transformers"):
+        try:
+            info[package] = importlib.import_module(package).__version__
+        except ImportError:
+            info[package] = None
+    return info
+
+
+def write_results(path: Path, args: argparse.Namespace, results: Any) -> None:
+    """JSON with the arguments, the machine, and the results."""
+    config = {
+        key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()
+    }
+    payload = {"config": config, "machine": machine_info(), "results": results}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    print(f"wrote {path}")
+
+
+def _jsonable(value: Any) -> Any:
+    return asdict(value) if hasattr(value, "__dataclass_fields__") else str(value)
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """Linear-interpolated percentile of `values` (NaN when empty)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * fraction
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)

@@ -1,0 +1,180 @@
+"""Smoke runs of every benchmark with tiny arguments, so none of them can silently rot.
+
+The workload, memory and serving-statistics checks need no model and run in well under a second;
+the ones that load the model (throughput, step, serving against our own server) are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import memory, serving, step, throughput
+from benchmarks.workload import WorkloadConfig, build_prompts, percentile, prompt_lengths
+
+TINY_WORKLOAD = [
+    "--num-requests",
+    "2",
+    "--min-prompt-tokens",
+    "8",
+    "--max-prompt-tokens",
+    "24",
+    "--output-tokens",
+    "3",
+]
+
+
+class ByteTokenizer:
+    """Stands in for the model's tokenizer: one token per UTF-8 byte."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+
+def read_results(path: Path) -> list[dict]:
+    payload = json.loads(path.read_text())
+    assert payload["machine"]["nproc"] >= 1
+    return payload["results"]
+
+
+def test_workload_is_seeded_and_within_the_length_bounds():
+    config = WorkloadConfig(num_requests=50, min_prompt_tokens=32, max_prompt_tokens=64, seed=3)
+    lengths = prompt_lengths(config)
+    assert lengths == prompt_lengths(config)
+    assert all(32 <= length <= 64 for length in lengths)
+    prompts = build_prompts(config, ByteTokenizer())
+    assert [len(prompt) for prompt in prompts] == lengths
+    assert prompts == build_prompts(config, ByteTokenizer())
+
+
+def test_percentile_interpolates_between_samples():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert percentile([5.0], 0.99) == 5.0
+    assert math.isnan(percentile([], 0.5))
+
+
+def test_memory_benchmark_fits_more_paged_requests_than_contiguous_with_sub_block_waste(tmp_path):
+    output = tmp_path / "memory.json"
+    memory.main(
+        [
+            "--num-requests",
+            "48",
+            "--kv-budget-tokens",
+            "4096",
+            "--max-model-len",
+            "512",
+            "--min-prompt-tokens",
+            "16",
+            "--max-prompt-tokens",
+            "128",
+            "--output-tokens",
+            "16",
+            "--system-prompt-tokens",
+            "64",
+            "--output",
+            str(output),
+        ]
+    )
+    rows = {row["cache"]: row for row in read_results(output)}
+    assert rows["contiguous"]["mean_concurrency"] == 8
+    assert rows["paged"]["concurrency_vs_contiguous"] > 2
+    assert all(
+        row["max_waste_slots_per_request"] < 16
+        for name, row in rows.items()
+        if name.startswith("paged")
+    )
+    with_cache = rows["paged, system prompt, prefix cache"]["mean_concurrency"]
+    assert with_cache > rows["paged, system prompt"]["mean_concurrency"]
+
+
+def test_serving_summary_reports_latency_percentiles_and_errors():
+    finished = serving.RequestResult(
+        10, ok=True, ttft_s=0.1, e2e_s=0.4, chunk_times_s=[0.1, 0.2, 0.4], num_output_tokens=3
+    )
+    failed = serving.RequestResult(10, error="HTTP 500: boom")
+    summary = serving.summarize([finished, failed], float("inf"), duration_s=1.0)
+    assert summary["num_completed"] == 1 and summary["num_errors"] == 1
+    assert summary["errors"] == ["HTTP 500: boom"]
+    assert summary["ttft_ms_p50"] == pytest.approx(100)
+    assert summary["itl_ms_p50"] == pytest.approx(150)
+    assert summary["tpot_ms_p50"] == pytest.approx(150)
+    assert summary["output_tokens_per_s"] == pytest.approx(3)
+
+
+def test_serving_arrivals_are_seeded_poisson_or_all_at_once():
+    offsets = serving.arrival_offsets(100, 10.0, seed=0)
+    assert offsets == serving.arrival_offsets(100, 10.0, seed=0)
+    assert offsets == sorted(offsets) and 5 < offsets[-1] < 20
+    assert serving.arrival_offsets(3, float("inf"), seed=0) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_throughput_benchmark_runs_ours_and_both_hf_baselines(tmp_path):
+    output = tmp_path / "throughput.json"
+    throughput.main(
+        [
+            *TINY_WORKLOAD,
+            "--hf-sample",
+            "1",
+            "--hf-batch-size",
+            "2",
+            "--kv-cache-memory",
+            "64MiB",
+            "--output",
+            str(output),
+        ]
+    )
+    rows = read_results(output)
+    assert [row["system"] for row in rows][:3] == [
+        "pagedserve (continuous batching)",
+        "HF generate, one at a time",
+        "HF generate, static batches of 2",
+    ]
+    assert rows[0]["num_output_tokens"] == 6 and rows[1]["extrapolated"]
+    assert all(row["output_tokens_per_s"] > 0 for row in rows)
+
+
+@pytest.mark.slow
+def test_step_benchmark_times_every_phase(tmp_path):
+    output = tmp_path / "step.json"
+    step.main(
+        [
+            "--batch-sizes",
+            "1",
+            "2",
+            "--steps",
+            "1",
+            "--warmup-steps",
+            "0",
+            "--prompt-tokens",
+            "16",
+            "--output",
+            str(output),
+        ]
+    )
+    rows = read_results(output)
+    assert [row["batch_size"] for row in rows] == [1, 2]
+    assert set(rows[0]["phases_ms"]) == set(step.PHASES)
+    assert 0 < rows[1]["overhead_fraction"] < 1
+
+
+@pytest.mark.slow
+def test_serving_benchmark_streams_from_its_own_server(tmp_path):
+    output = tmp_path / "serving.json"
+    serving.main(
+        [
+            *TINY_WORKLOAD,
+            "--request-rate",
+            "inf",
+            "--server-args",
+            "--num-kv-blocks 64 --max-model-len 512",
+            "--output",
+            str(output),
+        ]
+    )
+    (row,) = read_results(output)
+    assert row["num_completed"] == 2 and row["num_errors"] == 0
+    assert row["ttft_ms_p50"] > 0 and row["e2e_ms_p99"] >= row["ttft_ms_p50"]
