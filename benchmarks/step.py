@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also write a torch profiler chrome trace of the largest batch",
     )
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="KV budget (default: the engine's); 64 x 1,024 in fp32 needs ~4GiB")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "step.json")
     return parser.parse_args(argv)
@@ -61,6 +63,7 @@ def make_engine(args: argparse.Namespace, max_batch_size: int) -> Any:
         attention_backend=args.attention_backend,
         max_num_batched_tokens=max(512, max_batch_size),
         enable_prefix_caching=False,
+        **({"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}),
     ).engine
 
 

@@ -9,6 +9,7 @@ another prefix is caught (and would change the output) instead of passing silent
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import zlib
 from collections.abc import Sequence
@@ -18,6 +19,12 @@ from cache import BlockManager
 from cache.block_table import ceil_div
 from configs import SamplingParams, SchedulerConfig
 from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerOutput
+
+# Without CUDA the Triton kernels run under Triton's interpreter, which must be switched on before
+# anything imports triton (transformers and torch may, during collection of other packages' tests):
+# triton.language's own helpers are decorated at import time. The root conftest loads first.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 EOS_TOKEN_ID = 2  # fake_next_token never yields 0..2, so EOS only comes when a test forces it
 _arrival_clock = itertools.count(1)

@@ -1,12 +1,13 @@
 """CPU paged attention: a C++/OpenMP kernel (csrc/paged_attention.cpp) built on first use.
 
 The build is cached under ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``)
-in a directory keyed by the source, torch version and host CPU, so a rebuild happens only when one
-of them changes; torch's build lock makes concurrent first uses wait for one build.
+in a directory keyed by the source, the torch install and the host CPU, so a rebuild happens only
+when one of them changes; an flock makes concurrent first uses wait for one build.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -56,6 +57,9 @@ def load_cpu_kernel() -> ModuleType:
     for part in (
         _SOURCE.read_bytes(),
         torch.__version__.encode(),
+        # Each torch install writes its own include paths into build.ninja: two venvs sharing one
+        # build directory would rebuild it back and forth.
+        str(Path(torch.__file__).parent).encode(),
         str(_CFLAGS).encode(),
         _host_cpu_signature().encode(),
     ):
@@ -67,19 +71,25 @@ def load_cpu_kernel() -> ModuleType:
         logger.info(
             "building the CPU attention kernel in %s (first use, about a minute)", build_dir
         )
-    try:
-        return cpp_extension.load(
-            name=f"pagedserve_paged_attention_{key}",
-            sources=[str(_SOURCE)],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS,
-            build_directory=str(build_dir),
-            verbose=False,
-        )
-    except Exception as error:  # compiler errors surface as several exception types
-        raise RuntimeError(
-            f"building the CPU attention kernel in {build_dir} failed: {error}"
-        ) from error
+    # torch's own build lock is a plain file that a killed builder leaves behind, after which every
+    # later start waits forever. An flock dies with its holder: whoever holds it is the only
+    # builder alive, so a torch lock file found then is stale and is removed.
+    with open(build_dir / "pagedserve.flock", "w") as flock:
+        fcntl.flock(flock, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        try:
+            return cpp_extension.load(
+                name=f"pagedserve_paged_attention_{key}",
+                sources=[str(_SOURCE)],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except Exception as error:  # compiler errors surface as several exception types
+            raise RuntimeError(
+                f"building the CPU attention kernel in {build_dir} failed: {error}"
+            ) from error
 
 
 class CpuPagedAttention:
