@@ -92,7 +92,3 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
-
-    @property
-    def max_stop_string_chars(self) -> int:
-        return max((len(s) for s in self.stop), default=0)

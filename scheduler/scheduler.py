@@ -29,7 +29,6 @@ import time
 from collections import deque
 
 from cache.block_manager import BlockManager
-from cache.block_table import ceil_div
 from configs import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -285,6 +284,3 @@ class Scheduler:
         if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return ceil_div(num_tokens, self.block_manager.block_size)

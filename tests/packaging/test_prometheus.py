@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.server_process import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "SmolLM2-135M-Instruct"
 QUERY = "pagedserve:generation_tokens_total"
@@ -35,12 +36,6 @@ pytestmark = [
     pytest.mark.skipif(PROMETHEUS is None,
                        reason="the prometheus binary is missing: run .ci/install-prometheus.sh (Debian's package)"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> bytes:
@@ -81,7 +76,7 @@ def _server_command(port: int) -> list[str]:
 @pytest.fixture(scope="module")
 def server_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """A pagedserve server with small settings on a free port; its log is shown if it fails."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("pagedserve") / "server.log"
     small = {"PAGEDSERVE_KV_CACHE_MEMORY": "64MiB", "PAGEDSERVE_MAX_NUM_SEQS": "4",
              "PAGEDSERVE_MAX_MODEL_LEN": "512", "PAGEDSERVE_MAX_NUM_BATCHED_TOKENS": "128"}
@@ -106,7 +101,7 @@ def _prometheus_config(path: Path, target: str) -> None:
 
 @pytest.fixture
 def prometheus_url(tmp_path: Path, server_port: int) -> Iterator[str]:
-    config, port, log = tmp_path / "prometheus.yml", _free_port(), tmp_path / "prometheus.log"
+    config, port, log = tmp_path / "prometheus.yml", free_port(), tmp_path / "prometheus.log"
     _prometheus_config(config, f"127.0.0.1:{server_port}")
     command = [str(PROMETHEUS), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                f"--web.listen-address=127.0.0.1:{port}"]

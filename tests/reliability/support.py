@@ -4,23 +4,18 @@ readers, and the checks every response must pass (OpenAI error bodies, no stack 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.server_process import REPO_ROOT, STARTUP_TIMEOUT_S, free_port  # noqa: F401 - re-exported
+from tests.server_process import ServerProcess as SharedServerProcess
+
 API_KEY = "reliability-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-STARTUP_TIMEOUT_S = 300.0
 # The shared server's pool: 64 blocks x 16 tokens = 1024 slots = one request at max_model_len.
 SHARED_SERVER_ARGS = ("--num-kv-blocks", "64", "--block-size", "16", "--max-model-len", "1024",
                       "--api-key", API_KEY, "--timeout-graceful-shutdown", "3")
@@ -30,60 +25,11 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 TEST_KNOBS = ("PAGEDSERVE_FUZZ_SECONDS", "PAGEDSERVE_SOAK_SECONDS")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _server_environment() -> dict[str, str]:
-    environ = {name: value for name, value in os.environ.items() if name not in TEST_KNOBS}
-    return {**environ, "PYTHONPATH": str(REPO_ROOT)}
-
-
-class ServerProcess:
-    """One `python -m server serve` subprocess on a free 127.0.0.1 port; output goes to a log file
-    whose tail is shown when startup fails."""
+class ServerProcess(SharedServerProcess):
+    """The shared test server process, without this suite's knobs in its environment."""
 
     def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        log_fd, self.log_path = tempfile.mkstemp(prefix="pagedserve-reliability-", suffix=".log")
-        command = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1",
-                   "--port", str(self.port), "--log-level", "warning", *args]
-        self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log_fd,
-                                        stderr=subprocess.STDOUT,
-                                        env=_server_environment())
-        os.close(log_fd)  # the child has its own copy
-        self.wait_until_healthy()
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def log_tail(self, num_chars: int = 4000) -> str:
-        return Path(self.log_path).read_text(errors="replace")[-num_chars:]
-
-    def wait_until_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline and self.process.poll() is None:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"the server did not become healthy:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        super().__init__(*args, drop_env=TEST_KNOBS)
 
 
 class SharedServer:

@@ -10,11 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,10 +20,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from configs.engine import DEFAULT_MODEL
+from tests.server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-STARTUP_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 120
 NUM_KV_BLOCKS = 256
 BLOCK_SIZE = 16
@@ -49,39 +44,11 @@ METRIC_NAMES = (
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory) -> Iterator[str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log_path = tmp_path_factory.mktemp("e2e_load") / "server.log"
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--max-model-len", "1024", "--num-kv-blocks", str(NUM_KV_BLOCKS),
-             "--block-size", str(BLOCK_SIZE), "--log-level", "warning"],
-            env=env, stdout=log, stderr=subprocess.STDOUT)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"the server did not become healthy (exit code {process.poll()}):\n"
-                        f"{log_path.read_text(errors='replace')[-3000:]}")
-        yield base_url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+def url() -> Iterator[str]:
+    server = ServerProcess("--max-model-len", "1024", "--num-kv-blocks", str(NUM_KV_BLOCKS),
+                           "--block-size", str(BLOCK_SIZE))
+    yield server.url
+    server.stop()
 
 
 def _scrape(url: str) -> dict[str, float]:

@@ -12,25 +12,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from tests.server_process import ServerProcess
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 API_KEY = "test-key"
 ENGINE_FLAGS = ("--max-model-len", "1024", "--num-kv-blocks", "256", "--block-size", "16")
 MAX_MODEL_LEN = 1024
-STARTUP_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 120
 NUM_GREEDY_TOKENS = 16
 COMPLETION_PROMPTS = ("The capital of France is", "One, two, three,", "def fibonacci(n):")
@@ -42,45 +39,13 @@ CONVERSATIONS = (
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _wait_until_healthy(url: str, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    log_tail = log_path.read_text(errors="replace")[-3000:]
-    process.kill()
-    pytest.fail(f"the server did not become healthy (exit code {process.poll()}):\n{log_tail}")
-
-
 @pytest.fixture(scope="module")
-def server_process(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen, Path]]:
+def server_process() -> Iterator[ServerProcess]:
     """Launched, not yet waited for: the offline results are computed while it loads."""
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("e2e_openai") / "server.log"
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port),
-             *ENGINE_FLAGS, "--api-key", API_KEY, "--timeout-graceful-shutdown", "2"],
-            env=env, stdout=log, stderr=subprocess.STDOUT)
-    yield f"http://127.0.0.1:{port}", process, log_path
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    process = ServerProcess(*ENGINE_FLAGS, "--api-key", API_KEY, "--timeout-graceful-shutdown", "2",
+                            wait=False, log_level="info")
+    yield process
+    process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +69,9 @@ def offline(server_process) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def server(server_process) -> tuple[str, subprocess.Popen]:
-    url, process, log_path = server_process
-    _wait_until_healthy(url, process, log_path)
-    return url, process
+def server(server_process: ServerProcess) -> tuple[str, subprocess.Popen]:
+    server_process.wait_until_healthy()
+    return server_process.url, server_process.process
 
 
 @pytest.fixture(scope="module")
