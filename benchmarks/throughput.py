@@ -108,7 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_ours(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) -> Measurement:
+def run_ours(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) -> list[Measurement]:
+    """The whole workload submitted together, then the first `--hf-sample` requests one at a
+    time (single-request decode, comparable row for row with HF one-at-a-time)."""
     from configs import SamplingParams
     from engine.llm import LLM
 
@@ -132,14 +134,16 @@ def run_ours(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) -> 
     expected = len(prompts) * args.output_tokens
     if num_output_tokens != expected:
         raise RuntimeError(f"pagedserve produced {num_output_tokens} tokens, expected {expected}")
-    return Measurement(
-        dtype,
-        "pagedserve (continuous batching)",
-        len(prompts),
-        sum(map(len, prompts)),
-        num_output_tokens,
-        seconds,
-    )
+    batched = Measurement(dtype, "pagedserve (continuous batching)", len(prompts),
+                          sum(map(len, prompts)), num_output_tokens, seconds)
+    sample = prompts[: args.hf_sample or len(prompts)]
+    start = time.perf_counter()
+    for prompt in sample:
+        llm.generate([prompt], params)
+    single = Measurement(dtype, "pagedserve, one request at a time", len(sample),
+                         sum(map(len, sample)), len(sample) * args.output_tokens,
+                         time.perf_counter() - start, extrapolated=len(sample) < len(prompts))
+    return [batched, single]
 
 
 def load_hf_model(model: str, dtype: str) -> tuple[Any, Any]:
@@ -230,7 +234,7 @@ def run_vllm(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) -> 
 
 
 def run_dtype(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) -> list[Measurement]:
-    measurements = [run_ours(args, dtype, prompts)]
+    measurements = run_ours(args, dtype, prompts)
     gc.collect()
     if {"hf-single", "hf-static"} & set(args.baselines):
         hf = load_hf_model(args.model, dtype)

@@ -128,12 +128,13 @@ def test_throughput_benchmark_runs_ours_and_both_hf_baselines(tmp_path):
         ]
     )
     rows = read_results(output)
-    assert [row["system"] for row in rows][:3] == [
+    assert [row["system"] for row in rows][:4] == [
         "pagedserve (continuous batching)",
+        "pagedserve, one request at a time",
         "HF generate, one at a time",
         "HF generate, static batches of 2",
     ]
-    assert rows[0]["num_output_tokens"] == 6 and rows[1]["extrapolated"]
+    assert rows[0]["num_output_tokens"] == 6 and rows[1]["extrapolated"] and rows[2]["extrapolated"]
     assert all(row["output_tokens_per_s"] > 0 for row in rows)
 
 
