@@ -14,7 +14,8 @@ from cache.cache_spec import CacheSpec
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The one name <-> torch dtype table (configs and CacheSpec speak names; tensors need dtypes).
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CacheEngine:
@@ -29,7 +30,7 @@ class CacheEngine:
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        dtype = _TORCH_DTYPES[spec.dtype]
+        dtype = TORCH_DTYPES[spec.dtype]
         # zeros, not empty: padding slots a kernel may touch must never hold NaNs.
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]

