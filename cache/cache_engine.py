@@ -16,6 +16,8 @@ logger = logging.getLogger(__name__)
 
 # The one name <-> torch dtype table (configs and CacheSpec speak names; tensors need dtypes).
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A KV cache may also be stored in fp8 (e4m3, values saturated to +-448) whatever the model's dtype.
+KV_CACHE_DTYPES = {**TORCH_DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 class CacheEngine:
@@ -30,7 +32,7 @@ class CacheEngine:
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        dtype = TORCH_DTYPES[spec.dtype]
+        dtype = KV_CACHE_DTYPES[spec.dtype]
         # zeros, not empty: padding slots a kernel may touch must never hold NaNs.
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]
@@ -46,7 +48,9 @@ class CacheEngine:
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
         for cache in (*self.key_caches, *self.value_caches):
-            cache.index_copy_(0, dst, cache.index_select(0, src))
+            # As bytes: a block copy is dtype-blind, and CPU index_copy_ has no fp8 kernel.
+            as_bytes = cache.view(torch.uint8)
+            as_bytes.index_copy_(0, dst, as_bytes.index_select(0, src))
 
     def describe(self, max_model_len: int) -> str:
         num_tokens = self.num_blocks * self.spec.block_size

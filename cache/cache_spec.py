@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# fp8_e4m3: torch.float8_e4m3fn, one byte a value (a storage format: attention computes in float32).
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,7 +15,7 @@ class CacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # storage dtype: "float32" | "bfloat16" | "float16" | "fp8_e4m3"
     block_size: int
 
     def __post_init__(self) -> None:

@@ -93,10 +93,11 @@ def load_cpu_kernel() -> ModuleType:
 
 
 class CpuPagedAttention:
-    """Paged attention on CPU tensors (float32, bfloat16, float16) via the C++ kernel.
+    """Paged attention on CPU tensors via the C++ kernel.
 
     The kernel reads K/V in place through the block tables (no per-request gather), handles a
-    mixed batch of decode tokens and prefill chunks in one call, and accumulates in float32.
+    mixed batch of decode tokens and prefill chunks in one call, and computes in float32 whatever
+    the cache stores (float32, bfloat16, float16 or fp8 e4m3); queries of any float dtype.
     """
 
     name = "cpu"
@@ -123,8 +124,9 @@ class CpuPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> Tensor:
-        return self._kernel.paged_attention(
-            query.contiguous(),  # [num_tokens, num_heads, head_dim]
+        # The kernel computes in float32 whatever the cache holds; queries and outputs are small.
+        output = self._kernel.paged_attention(
+            query.float().contiguous(),  # [num_tokens, num_heads, head_dim]
             key_cache,
             value_cache,
             meta.block_tables,
@@ -132,3 +134,4 @@ class CpuPagedAttention:
             meta.seq_lens,
             scale,
         )
+        return output.to(query.dtype)

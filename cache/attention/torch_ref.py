@@ -12,15 +12,26 @@ from torch import Tensor
 
 from cache.attention.metadata import AttentionMetadata
 
+FP8_E4M3_MAX = 448.0  # largest finite torch.float8_e4m3fn
+
+
+def to_cache_dtype(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """New K or V rows in the cache's storage dtype, contiguous; fp8 (e4m3) saturates at +-448
+    rather than overflowing to NaN."""
+    if dtype == torch.float8_e4m3fn:
+        values = values.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return values.to(dtype).contiguous()
+
 
 def store_kv_by_slot(
     key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
 ) -> None:
     """Write token i's K/V into flat slot ``slot_mapping[i]`` of the caches, in place."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    # NOTE: view(), not reshape(): a copy would silently drop the write.
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        # As bytes: CPU index_copy_ has no fp8 kernel, and a row copy is dtype-blind anyway.
+        # NOTE: view(), not reshape(): a copy would silently drop the write.
+        rows = cache.view(-1, cache.shape[2], cache.shape[3]).view(torch.uint8)
+        rows.index_copy_(0, slot_mapping, to_cache_dtype(new, cache.dtype).view(torch.uint8))
 
 
 def gather_request_kv(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from cache.attention.metadata import AttentionMetadata
+from cache.attention.torch_ref import to_cache_dtype
 
 _BLOCK_N = 32  # key positions per step: [BLOCK_M, 32] scores stay in registers
 _MIN_BLOCK_M = 16  # tl.dot needs >= 16 rows on GPUs
@@ -46,14 +47,18 @@ class TritonPagedAttention:
         slot_mapping: Tensor,
     ) -> None:
         num_tokens = key.shape[0]
-        row_size = key_cache.shape[2] * key_cache.shape[3]  # num_kv_heads * head_dim
+        # Converted (and for fp8 saturated) by torch; the kernel copies bytes, so it needs no fp8
+        # support of its own.
+        key = to_cache_dtype(key, key_cache.dtype).view(torch.uint8)
+        value = to_cache_dtype(value, value_cache.dtype).view(torch.uint8)
+        row_size = key.shape[1] * key.shape[2]  # bytes: num_kv_heads * head_dim * itemsize
         block = min(1024, 1 << (row_size - 1).bit_length())
         grid = (num_tokens, -(-row_size // block))
         self._kernels.store_kv_kernel[grid](
-            key.contiguous(),
-            value.contiguous(),
-            key_cache,
-            value_cache,
+            key,
+            value,
+            key_cache.view(torch.uint8),
+            value_cache.view(torch.uint8),
             slot_mapping,
             row_size,
             BLOCK=block,

@@ -12,12 +12,12 @@ import triton.language as tl
 
 @triton.jit
 def store_kv_kernel(
-    key_ptr,  # [num_tokens, num_kv_heads * head_dim]
-    value_ptr,  # [num_tokens, num_kv_heads * head_dim]
-    key_cache_ptr,  # [num_slots, num_kv_heads * head_dim]
-    value_cache_ptr,  # [num_slots, num_kv_heads * head_dim]
+    key_ptr,  # [num_tokens, row_size] bytes, already in the cache's dtype
+    value_ptr,  # [num_tokens, row_size] bytes
+    key_cache_ptr,  # [num_slots, row_size] bytes
+    value_cache_ptr,  # [num_slots, row_size] bytes
     slot_mapping_ptr,  # [num_tokens] int64
-    row_size,  # num_kv_heads * head_dim
+    row_size,  # bytes of one slot: num_kv_heads * head_dim * itemsize
     BLOCK: tl.constexpr,
 ):
     """One program per (token, chunk of its row): copy its K and V row to its slot."""
@@ -100,7 +100,9 @@ def paged_attention_kernel(
         v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if DOT_FP32:  # "ieee": tf32 would cost ~1e-3 accuracy against the float32 reference
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
+        else:  # the cache may store another dtype (e.g. fp8): compute in the query's
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
             scores = tl.dot(q, tl.trans(k))
         scores = scores * qk_scale  # [BLOCK_M, BLOCK_N]
         is_visible = key_mask[None, :] & (positions[None, :] <= row_position[:, None])
@@ -113,7 +115,7 @@ def paged_attention_kernel(
             pv = tl.dot(probs, v.to(tl.float32), input_precision="ieee")
             acc = acc * correction[:, None] + pv
         else:
-            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
+            acc = acc * correction[:, None] + tl.dot(probs.to(q.dtype), v)
         row_max = new_max
 
     row_sum = tl.where(row_sum > 0, row_sum, 1.0)  # padding rows: avoid 0/0, never stored

@@ -29,6 +29,7 @@ def make_paged_batch(
     head_dim: int,
     block_size: int,
     dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
     device: str = "cpu",
     seed: int = 0,
 ) -> PagedBatch:
@@ -36,6 +37,7 @@ def make_paged_batch(
 
     Block tables are a random permutation of the cache's blocks (non-contiguous, non-monotonic)
     and the cache has spare random blocks, so a kernel reading the wrong block gets a wrong answer.
+    The caches hold `kv_dtype` (default: `dtype`, the query's).
     """
     generator = torch.Generator().manual_seed(seed)
     blocks_per_req = [-(-seq_len // block_size) for seq_len in seq_lens]
@@ -49,8 +51,8 @@ def make_paged_batch(
         ]
         next_block += num_req_blocks
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(cache_shape, generator=generator).to(dtype)
-    value_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    key_cache = torch.randn(cache_shape, generator=generator).to(kv_dtype or dtype)
+    value_cache = torch.randn(cache_shape, generator=generator).to(kv_dtype or dtype)
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(dtype)
     query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)

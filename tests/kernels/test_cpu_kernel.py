@@ -112,3 +112,46 @@ def test_cpu_kernel_rejects_seq_len_beyond_block_table(cpu_backend, paged_batch)
     )
     with pytest.raises(RuntimeError, match="exceeds its block table"):
         cpu_backend.forward(query, key_cache, value_cache, too_long, 1.0)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_cpu_kernel_reads_a_cache_stored_in_a_smaller_dtype(
+    cpu_backend, paged_batch, matches_reference, kv_dtype, dtype, block_size
+):
+    # `--kv-cache-dtype`: queries in the model's dtype over a cache stored in another one. Both
+    # sides read the same stored values, so the query dtype's tolerance still applies.
+    batch = paged_batch(
+        MIXED_QUERY_LENS,
+        MIXED_SEQ_LENS,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=block_size,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        seed=block_size,
+    )
+    matches_reference(cpu_backend, batch)
+
+
+def test_cpu_kernel_widens_every_fp8_value_exactly(cpu_backend):
+    # One key per request: softmax gives it weight 1, so the output is its value row, widened.
+    # 4 requests x 64 dims cover all 256 fp8 bit patterns, NaNs (0x7f, 0xff) included.
+    every_fp8 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    value_cache = every_fp8.view(4, 1, 1, 64)  # [num_blocks, block_size 1, kv_heads 1, 64]
+    key_cache = torch.zeros_like(value_cache)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(4, dtype=torch.int64),
+        block_tables=torch.tensor([[2], [0], [3], [1]], dtype=torch.int32),
+        query_start_loc=torch.arange(5, dtype=torch.int32),
+        seq_lens=torch.ones(4, dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=1,
+    )
+    query = torch.randn(4, 1, 64)
+    output = cpu_backend.forward(query, key_cache, value_cache, meta, 0.125)
+    expected = value_cache.float().view(4, 64)[meta.block_tables[:, 0].long()]
+    assert torch.equal(output.view(4, 64).isnan(), expected.isnan())
+    assert torch.equal(output.view(4, 64).nan_to_num(), expected.nan_to_num())

@@ -42,3 +42,33 @@ def test_store_kv_writes_exactly_the_named_slots(backend_name, dtype):
         untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
         untouched[slot_mapping] = False
         assert torch.equal(flat[untouched], flat_before[untouched])
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_store_kv_converts_to_the_cache_dtype_and_fp8_saturates(backend_name, kv_dtype):
+    # `--kv-cache-dtype`: float32 K/V into a smaller cache. fp8 e4m3 has no infinity; values past
+    # its largest finite 448 must saturate, not become NaN.
+    device = "cpu"
+    if backend_name == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = get_attention_backend(backend_name, torch.device(device))
+    key_cache = torch.zeros(2, 4, 1, 4, dtype=kv_dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    key = torch.tensor([[[1000.0, -1000.0, 0.3, -2.5]], [[1.0, 2.0, 3.0, 4.0]]], device=device)
+    value = -key
+    slot_mapping = torch.tensor([6, 1], device=device)
+    backend.store_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    largest = torch.finfo(kv_dtype).max
+    expected_key = key.clamp(-largest, largest).to(kv_dtype).float()
+    stored_key = key_cache.view(-1, 1, 4)[slot_mapping].float()
+    stored_value = value_cache.view(-1, 1, 4)[slot_mapping].float()
+    assert torch.equal(stored_key, expected_key)
+    assert torch.equal(stored_value, -expected_key)
+    if kv_dtype == torch.float8_e4m3fn:
+        assert stored_key[0, 0, :2].tolist() == [448.0, -448.0]
+    untouched = torch.ones(8, dtype=torch.bool)
+    untouched[slot_mapping.cpu()] = False
+    assert not key_cache.view(-1, 4)[untouched.to(device)].float().any()

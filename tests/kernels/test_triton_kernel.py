@@ -51,6 +51,31 @@ def test_triton_kernel_matches_reference_on_mixed_batch(
     matches_reference(triton_backend, batch)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype"),
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float8_e4m3fn),
+        (torch.bfloat16, torch.float8_e4m3fn),
+    ],
+)
+def test_triton_kernel_reads_a_cache_stored_in_a_smaller_dtype(
+    triton_backend, paged_batch, matches_reference, dtype, kv_dtype
+):
+    batch = paged_batch(
+        QUERY_LENS,
+        SEQ_LENS,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=5,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        device=DEVICE,
+    )
+    matches_reference(triton_backend, batch)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
