@@ -48,6 +48,11 @@ class CacheConfig(_Section):
     num_kv_blocks: int | None = Field(None, ge=1, description="explicit number of KV blocks (overrides the budget)")
     enable_prefix_caching: bool = Field(True, description="reuse cached KV blocks of identical prompt prefixes")
     attention_backend: Literal["auto", "cpu", "triton", "torch"] = Field("auto", description="paged attention kernel")
+    # Storage only: attention always computes in float32. A smaller cache dtype holds more tokens
+    # and, on CPU, where decode attention is bound by reading K/V, runs faster (see RESULTS.md).
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"] = Field(
+        "auto", description="KV cache storage dtype (auto: the model's; fp8 = fp8_e4m3, saturating at +-448)"
+    )
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -54,7 +54,9 @@ class LLMEngine:
         self.vocab_size = loaded.hf_config.vocab_size
         self.max_model_len = _cap_to_sliding_window(loaded.max_model_len, loaded.hf_config)
         self.eos_token_ids = _eos_token_ids(loaded)
-        spec = make_cache_spec(loaded.hf_config, loaded.model, config.cache.block_size)
+        spec = make_cache_spec(
+            loaded.hf_config, loaded.model, config.cache.block_size, config.cache.kv_cache_dtype
+        )
         num_blocks = kv_cache_num_blocks(config, spec, device, loaded.model)
         self.cache_engine = CacheEngine(spec, num_blocks, device)
         logger.info("%s", self.cache_engine.describe(self.max_model_len))

@@ -30,15 +30,23 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, torch_dtype in TORCH_DTYPES.items() if torch_dtype == dtype)
 
 
-def make_cache_spec(hf_config: PretrainedConfig, model: torch.nn.Module, block_size: int) -> CacheSpec:
-    """Full-attention KV layout from the model's config; the KV dtype is the weights' dtype."""
+def make_cache_spec(
+    hf_config: PretrainedConfig, model: torch.nn.Module, block_size: int, kv_cache_dtype: str = "auto"
+) -> CacheSpec:
+    """Full-attention KV layout from the model's config.
+
+    `kv_cache_dtype` "auto" stores K/V in the weights' dtype; "fp8" is short for "fp8_e4m3"."""
+    if kv_cache_dtype == "auto":
+        kv_cache_dtype = _dtype_name(next(model.parameters()).dtype)
+    elif kv_cache_dtype == "fp8":
+        kv_cache_dtype = "fp8_e4m3"
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     return CacheSpec(
         num_layers=hf_config.num_hidden_layers,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
-        dtype=_dtype_name(next(model.parameters()).dtype),
+        dtype=kv_cache_dtype,
         block_size=block_size,
     )
 

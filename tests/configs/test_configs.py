@@ -112,6 +112,14 @@ def test_out_of_range_value_is_rejected_naming_the_field():
         load_engine_config(environ={"PAGEDSERVE_BLOCK_SIZE": "0"})
 
 
+def test_kv_cache_dtype_defaults_to_the_model_dtype_and_rejects_unknown_names():
+    assert load_engine_config(environ={}).cache.kv_cache_dtype == "auto"
+    config = load_engine_config(environ={"PAGEDSERVE_KV_CACHE_DTYPE": "fp8"})
+    assert config.cache.kv_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        load_engine_config(cli={"kv_cache_dtype": "int4"}, environ={})
+
+
 @pytest.mark.parametrize(("text", "num_bytes"), [
     ("1048576", 1048576), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5GiB", 3 * 2**29),
     (" 4 kib ", 4096), ("0", 0), (123, 123),

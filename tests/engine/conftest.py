@@ -120,7 +120,8 @@ class Reference:
     top2_gaps: list[float]
 
 
-def hf_greedy_reference(model: torch.nn.Module, prompt_token_ids: list[int], max_new_tokens: int) -> Reference:
+def hf_greedy_reference(model: torch.nn.Module, prompt_token_ids: list[int], max_new_tokens: int,
+                        attn_implementation: str = "sdpa") -> Reference:
     """`model.generate` for one prompt, greedy, EOS disabled (so exactly `max_new_tokens` come back).
 
     EOS is disabled rather than banned: `min_new_tokens` would mask EOS's logit and change the
@@ -128,7 +129,7 @@ def hf_greedy_reference(model: torch.nn.Module, prompt_token_ids: list[int], max
     """
     previous = model.config._attn_implementation
     previous_eos = model.generation_config.eos_token_id
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(attn_implementation)
     model.generation_config.eos_token_id = None  # a None in our config would fall back to it
     generation_config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
