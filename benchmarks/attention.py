@@ -5,6 +5,11 @@ hits them alike. SDPA gets pre-made contiguous K/V (the lower bound a paged kern
 kernel and the reference read a cache with shuffled block tables, as a long-running server would.
 
     python -m benchmarks.attention [--batch 64] [--context 1024] [--dtype float32 bfloat16]
+        [--kv-cache-dtype auto bfloat16 fp8_e4m3]
+
+`--dtype` is the model's (queries, outputs, SDPA's K/V); `--kv-cache-dtype` what the paged cache
+stores (auto: the same), so e.g. float32 queries over a bfloat16 cache are timed as the engine
+runs them with `--kv-cache-dtype bfloat16`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch.nn.functional as F
 from cache.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 DEFAULT_OUTPUT = Path(__file__).parent / "results" / "attention.json"
 
 
@@ -31,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=1024, help="context tokens per request")
     parser.add_argument(
         "--dtype", nargs="+", choices=sorted(DTYPES), default=["float32", "bfloat16"]
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", nargs="+", choices=["auto", *sorted(KV_CACHE_DTYPES)], default=["auto"]
     )
     # Defaults are the default model's shapes (SmolLM2-135M: 9 query heads, 3 kv heads, dim 64).
     parser.add_argument("--num-heads", type=int, default=9)
@@ -43,13 +52,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def make_decode_step(args: argparse.Namespace, dtype: torch.dtype, generator: torch.Generator):
-    """Random cache + metadata for `batch` decode tokens; returns (query, caches, meta, sdpa inputs)."""
+def make_decode_step(
+    args: argparse.Namespace, dtype: torch.dtype, generator: torch.Generator, kv_dtype: torch.dtype
+):
+    """Random cache + metadata for `batch` decode tokens; returns (query, caches, meta, sdpa inputs).
+
+    SDPA gets the same K/V values in the model's `dtype` (what a contiguous cache would hold)."""
     num_blocks_per_req = -(-args.context // args.block_size)
     num_blocks = args.batch * num_blocks_per_req
     cache_shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
-    key_cache = torch.randn(cache_shape, generator=generator).to(dtype)
-    value_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    key_cache = torch.randn(cache_shape, generator=generator).to(kv_dtype)
+    value_cache = torch.randn(cache_shape, generator=generator).to(kv_dtype)
     # Shuffled tables: each request's blocks are scattered across the cache.
     block_tables = torch.randperm(num_blocks, generator=generator).view(args.batch, -1).int()
     query = torch.randn(args.batch, args.num_heads, args.head_dim, generator=generator).to(dtype)
@@ -66,7 +79,7 @@ def make_decode_step(args: argparse.Namespace, dtype: torch.dtype, generator: to
     def contiguous(cache: torch.Tensor) -> torch.Tensor:
         rows = cache[block_tables.long()]  # [batch, blocks_per_req, block_size, kv_heads, D]
         rows = rows.flatten(1, 2)[:, : args.context]  # [batch, context, kv_heads, D]
-        return rows.transpose(1, 2).contiguous()  # [batch, kv_heads, context, D]
+        return rows.transpose(1, 2).to(dtype).contiguous()  # [batch, kv_heads, context, D]
 
     sdpa_inputs = (query.unsqueeze(2), contiguous(key_cache), contiguous(value_cache))
     return query, key_cache, value_cache, meta, sdpa_inputs
@@ -92,10 +105,13 @@ def time_interleaved(
     return times
 
 
-def bench_dtype(args: argparse.Namespace, dtype_name: str) -> list[dict]:
+def bench_dtype(args: argparse.Namespace, dtype_name: str, kv_dtype_name: str) -> list[dict]:
     dtype = DTYPES[dtype_name]
+    kv_dtype_name = dtype_name if kv_dtype_name == "auto" else kv_dtype_name
     generator = torch.Generator().manual_seed(0)
-    query, key_cache, value_cache, meta, (q4, k4, v4) = make_decode_step(args, dtype, generator)
+    query, key_cache, value_cache, meta, (q4, k4, v4) = make_decode_step(
+        args, dtype, generator, KV_CACHE_DTYPES[kv_dtype_name]
+    )
     scale = args.head_dim**-0.5
     cpu_backend = get_attention_backend("cpu", torch.device("cpu"))
     reference = TorchPagedAttention()
@@ -113,6 +129,7 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str) -> list[dict]:
         {
             "impl": name,
             "dtype": dtype_name,
+            "kv_cache_dtype": kv_dtype_name,
             "median_ms": statistics.median(wall) * 1e3,
             "min_ms": min(wall) * 1e3,
             "median_cpu_time_ms": statistics.median(cpu) * 1e3,
@@ -129,19 +146,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [row for dtype_name in args.dtype for row in bench_dtype(args, dtype_name)]
+    rows = [
+        row
+        for dtype_name in args.dtype
+        for kv_dtype_name in args.kv_cache_dtype
+        for row in bench_dtype(args, dtype_name, kv_dtype_name)
+    ]
     print(
         f"decode step: {args.batch} requests x {args.context} context, heads {args.num_heads}/"
         f"{args.num_kv_heads}, head_dim {args.head_dim}, block {args.block_size}, "
         f"{torch.get_num_threads()} threads, median of {args.repeats}"
     )
     print(
-        f"{'impl':<16} {'dtype':<9} {'median ms':>10} {'min ms':>8} {'cpu-time ms':>12} "
+        f"{'impl':<16} {'dtype':<9} {'kv cache':<9} {'median ms':>10} {'min ms':>8} {'cpu-time ms':>12} "
         f"{'cpu kernel x faster (wall, cpu-time)':>38}"
     )
     for row in rows:
         print(
-            f"{row['impl']:<16} {row['dtype']:<9} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f} "
+            f"{row['impl']:<16} {row['dtype']:<9} {row['kv_cache_dtype']:<9} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f} "
             f"{row['median_cpu_time_ms']:>12.2f} {row['cpu_speedup']:>25.2f} "
             f"{row['cpu_speedup_by_cpu_time']:>12.2f}"
         )

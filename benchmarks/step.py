@@ -3,7 +3,9 @@
 Calls the engine's pieces directly, in `LLMEngine.step`'s order, and times each phase: schedule,
 prepare (incl. copy-on-write copies), forward, sample, update (scheduler) and detokenize (the
 engine's per-request deltas). The baseline is the forward pass itself: everything else is
-overhead, reported as a share of the whole step (goal: <= 15% at batch 64).
+overhead, reported as a share of the whole step (goal: <= 15% at batch 64). Inside the forward
+pass, the time spent in the paged attention backend (K/V store + attention, all layers) is timed
+separately and reported as its share of the step (goal: < 25% at 64 x 1,024 context).
 
     python -m benchmarks.step [--batch-sizes 1 16 64] [--steps 10] [--prompt-tokens 128] [--profile]
 """
@@ -45,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also write a torch profiler chrome trace of the largest batch",
     )
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "fp8_e4m3"]
+    )
     parser.add_argument("--kv-cache-memory", default=None,
                         help="KV budget (default: the engine's); 64 x 1,024 in fp32 needs ~4GiB")
     parser.add_argument("--seed", type=int, default=0)
@@ -52,10 +57,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class TimedBackend:
+    """Wraps the runner's attention backend and sums the wall time of its calls (store + attend)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.seconds = 0.0
+
+    def store_kv(self, *args: Any) -> None:
+        start = time.perf_counter()
+        self.inner.store_kv(*args)
+        self.seconds += time.perf_counter() - start
+
+    def forward(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        output = self.inner.forward(*args)
+        self.seconds += time.perf_counter() - start
+        return output
+
+
 def make_engine(args: argparse.Namespace, max_batch_size: int) -> Any:
     from engine.llm import LLM
 
-    return LLM(
+    engine = LLM(
         model=args.model,
         dtype=args.dtype,
         block_size=args.block_size,
@@ -63,8 +88,11 @@ def make_engine(args: argparse.Namespace, max_batch_size: int) -> Any:
         attention_backend=args.attention_backend,
         max_num_batched_tokens=max(512, max_batch_size),
         enable_prefix_caching=False,
+        kv_cache_dtype=args.kv_cache_dtype,
         **({"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}),
     ).engine
+    engine.runner.backend = TimedBackend(engine.runner.backend)
+    return engine
 
 
 def fill_to_decode(engine: Any, prompts: list[list[int]]) -> list[str]:
@@ -105,8 +133,10 @@ def timed_step(engine: Any) -> dict[str, float]:
     runner.cache_engine.copy_blocks(plan.block_copies)
     batch = runner.prepare(plan)
     t2 = clock()
+    attention_before = runner.backend.seconds
     logits = runner.forward(batch)
     t3 = clock()
+    attention_s = runner.backend.seconds - attention_before
     rows = [engine._sampling_row(s.request_id) for s in plan.requests if s.needs_sample]
     results = engine.sampler.sample(logits, rows)
     t4 = clock()
@@ -118,7 +148,8 @@ def timed_step(engine: Any) -> dict[str, float]:
     t6 = clock()
     if plan.num_batched_tokens != len(plan.requests):
         raise RuntimeError("a timed step was not a pure decode step")
-    return dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5), strict=True))
+    phases = dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5), strict=True))
+    return {**phases, "attention": attention_s}
 
 
 def measure(engine: Any, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
@@ -132,12 +163,16 @@ def measure(engine: Any, args: argparse.Namespace, prompts: list[list[int]]) -> 
     phases = {phase: _median([s[phase] for s in samples]) for phase in PHASES}
     step_s = sum(phases.values())
     overhead_s = step_s - phases["forward"]
+    attention_s = _median([s["attention"] for s in samples])
     drain(engine, request_ids)
     return {
         "batch_size": len(prompts),
         "phases_ms": {k: v * 1e3 for k, v in phases.items()},
         "step_ms": step_s * 1e3,
         "overhead_fraction": overhead_s / step_s,
+        # Part of "forward": the attention backend's K/V stores and paged attention, all layers.
+        "attention_ms": attention_s * 1e3,
+        "attention_fraction": attention_s / step_s,
         "decode_tokens_per_s": len(prompts) / step_s,
     }
 
@@ -164,13 +199,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'batch':>5} "
         + " ".join(f"{phase + ' ms':>13}" for phase in PHASES)
-        + f" {'step ms':>9} {'overhead':>9} {'tok/s':>8}"
+        + f" {'step ms':>9} {'overhead':>9} {'attn ms':>8} {'attn':>6} {'tok/s':>8}"
     )
     for row in rows:
         print(
             f"{row['batch_size']:>5} "
             + " ".join(f"{row['phases_ms'][phase]:>13.2f}" for phase in PHASES)
             + f" {row['step_ms']:>9.2f} {row['overhead_fraction']:>9.1%}"
+            + f" {row['attention_ms']:>8.2f} {row['attention_fraction']:>6.1%}"
             + f" {row['decode_tokens_per_s']:>8.1f}"
         )
 
@@ -194,7 +230,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     prompts = build_prompts(workload, engine.tokenizer)
     rows = [measure(engine, args, prompts[:batch_size]) for batch_size in args.batch_sizes]
     print(
-        f"decode step breakdown: {args.dtype}, context {args.prompt_tokens}+ tokens, "
+        f"decode step breakdown: {args.dtype}, KV cache {args.kv_cache_dtype}, context {args.prompt_tokens}+ tokens, "
         f"median of {args.steps} steps, threads={args.num_threads or 'default'}"
     )
     print_table(rows)

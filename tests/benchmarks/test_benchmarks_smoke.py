@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import memory, serving, step, throughput
+from benchmarks import attention, memory, serving, step, throughput
 from benchmarks.workload import WorkloadConfig, build_prompts, percentile, prompt_lengths
 
 TINY_WORKLOAD = [
@@ -160,6 +160,21 @@ def test_step_benchmark_times_every_phase(tmp_path):
     assert [row["batch_size"] for row in rows] == [1, 2]
     assert set(rows[0]["phases_ms"]) == set(step.PHASES)
     assert 0 < rows[1]["overhead_fraction"] < 1
+    assert 0 < rows[1]["attention_ms"] < rows[1]["phases_ms"]["forward"]
+    assert 0 < rows[1]["attention_fraction"] < 1
+
+
+def test_attention_benchmark_times_kernel_reference_and_sdpa_per_cache_dtype(tmp_path):
+    output = tmp_path / "attention.json"
+    rows = attention.main(
+        ["--batch", "2", "--context", "40", "--repeats", "1", "--dtype", "float32",
+         "--kv-cache-dtype", "auto", "fp8_e4m3", "--output", str(output)]
+    )
+    assert [(row["impl"], row["kv_cache_dtype"]) for row in rows] == [
+        (impl, kv) for kv in ("float32", "fp8_e4m3") for impl in ("cpu", "torch_ref", "sdpa_contiguous")
+    ]
+    assert all(row["cpu_max_abs_error_vs_ref"] < 1e-5 for row in rows)
+    assert json.loads(output.read_text())["results"] == rows
 
 
 @pytest.mark.slow
