@@ -10,14 +10,19 @@ from cache.attention import get_attention_backend
 BACKENDS = ["torch", "cpu", "triton"]
 
 
-@pytest.mark.parametrize("backend_name", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_writes_exactly_the_named_slots(backend_name, dtype):
+def backend_on_its_device(backend_name: str):
+    """The backend and the device its caches live on: triton on CUDA, else under the interpreter."""
     device = "cpu"
     if backend_name == "triton":
         pytest.importorskip("triton", reason="triton is not installed")
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: under the interpreter
-    backend = get_attention_backend(backend_name, torch.device(device))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return get_attention_backend(backend_name, torch.device(device)), device
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_exactly_the_named_slots(backend_name, dtype):
+    backend, device = backend_on_its_device(backend_name)
     num_blocks, block_size, num_kv_heads, head_dim = 4, 5, 3, 8
     generator = torch.Generator().manual_seed(0)
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(
@@ -49,11 +54,7 @@ def test_store_kv_writes_exactly_the_named_slots(backend_name, dtype):
 def test_store_kv_converts_to_the_cache_dtype_and_fp8_saturates(backend_name, kv_dtype):
     # `--kv-cache-dtype`: float32 K/V into a smaller cache. fp8 e4m3 has no infinity; values past
     # its largest finite 448 must saturate, not become NaN.
-    device = "cpu"
-    if backend_name == "triton":
-        pytest.importorskip("triton", reason="triton is not installed")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend = get_attention_backend(backend_name, torch.device(device))
+    backend, device = backend_on_its_device(backend_name)
     key_cache = torch.zeros(2, 4, 1, 4, dtype=kv_dtype, device=device)
     value_cache = torch.zeros_like(key_cache)
     key = torch.tensor([[[1000.0, -1000.0, 0.3, -2.5]], [[1.0, 2.0, 3.0, 4.0]]], device=device)
