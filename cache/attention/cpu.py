@@ -20,12 +20,14 @@ import torch
 from torch import Tensor
 
 from cache.attention.metadata import AttentionMetadata
-from cache.attention.torch_ref import store_kv_by_slot
+from cache.attention.torch_ref import TorchPagedAttention, store_kv_by_slot
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# The kernel keeps a row in registers as kMaxChunks x 16 floats; larger heads take the reference.
+MAX_HEAD_DIM = 512
 _LDFLAGS = ["-fopenmp"]
 
 
@@ -104,6 +106,7 @@ class CpuPagedAttention:
 
     def __init__(self) -> None:
         self._kernel = load_cpu_kernel()
+        self._reference: TorchPagedAttention | None = None  # for heads the kernel cannot take
 
     def store_kv(
         self,
@@ -124,6 +127,15 @@ class CpuPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> Tensor:
+        if query.shape[-1] > MAX_HEAD_DIM:
+            if self._reference is None:
+                logger.warning(
+                    "head_dim %d exceeds the CPU kernel's %d: using the slow torch reference",
+                    query.shape[-1],
+                    MAX_HEAD_DIM,
+                )
+                self._reference = TorchPagedAttention()
+            return self._reference.forward(query, key_cache, value_cache, meta, scale)
         # The kernel computes in float32 whatever the cache holds; queries and outputs are small.
         output = self._kernel.paged_attention(
             query.float().contiguous(),  # [num_tokens, num_heads, head_dim]

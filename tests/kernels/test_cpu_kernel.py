@@ -155,3 +155,15 @@ def test_cpu_kernel_widens_every_fp8_value_exactly(cpu_backend):
     expected = value_cache.float().view(4, 64)[meta.block_tables[:, 0].long()]
     assert torch.equal(output.view(4, 64).isnan(), expected.isnan())
     assert torch.equal(output.view(4, 64).nan_to_num(), expected.nan_to_num())
+
+
+def test_cpu_backend_falls_back_to_the_reference_for_heads_beyond_the_kernel(
+    cpu_backend, paged_batch, matches_reference, caplog
+):
+    from cache.attention.cpu import MAX_HEAD_DIM
+
+    batch = paged_batch([1, 3], [5, 3], num_heads=2, num_kv_heads=1, head_dim=MAX_HEAD_DIM + 8,
+                        block_size=4)
+    with caplog.at_level("WARNING", logger="cache.attention.cpu"):
+        matches_reference(cpu_backend, batch)
+    assert "slow torch reference" in caplog.text
