@@ -227,6 +227,7 @@ class LLMEngine:
             num_free_blocks=pool.num_free_blocks,
             num_total_blocks=pool.num_blocks,
             block_size=self.block_manager.block_size,
+            cache_dtype=self.cache_engine.spec.dtype,
             kv_cache_usage=pool.usage,
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,

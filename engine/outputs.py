@@ -79,6 +79,7 @@ class EngineStats:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     block_size: int = 0
+    cache_dtype: str = ""  # the KV cache's storage dtype, e.g. "float32" or "fp8_e4m3"
     kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # prompt tokens computed (prefill work done)

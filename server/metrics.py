@@ -98,7 +98,8 @@ class EngineStatsCollector(Collector):
         info = InfoMetricFamily(PREFIX + "cache_config", "Information of the KV-cache config.",
                                 labels=["model_name"])
         info.add_metric(labels, {"block_size": str(stats.block_size),
-                                 "num_blocks": str(stats.num_total_blocks)})
+                                 "num_blocks": str(stats.num_total_blocks),
+                                 "cache_dtype": stats.cache_dtype})
         yield info
 
 

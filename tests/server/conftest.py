@@ -65,7 +65,8 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(num_requests_running=1, num_requests_waiting=2, num_free_blocks=7,
-                           num_total_blocks=8, block_size=4, kv_cache_usage=0.125,
+                           num_total_blocks=8, block_size=4, cache_dtype="fp8_e4m3",
+                           kv_cache_usage=0.125,
                            num_prompt_tokens=11, num_generation_tokens=5)
 
     def drain_step_token_counts(self) -> list[int]:

@@ -93,6 +93,7 @@ def test_metrics_parse_and_expose_every_metric_with_the_cache_config(url):
     assert info.value == 1
     assert info.labels["block_size"] == str(BLOCK_SIZE)
     assert info.labels["num_blocks"] == str(NUM_KV_BLOCKS)
+    assert info.labels["cache_dtype"] == "float32"  # auto: the weights' dtype
     assert all(sample.labels.get("model_name") for family in families
                for sample in family.samples if family.name.startswith(PREFIX))
 

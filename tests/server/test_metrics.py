@@ -44,6 +44,7 @@ def test_engine_gauges_are_read_at_scrape_time(client, engine):
     assert families["pagedserve:generation_tokens"].samples[0].value == 5
     info = families["pagedserve:cache_config_info"].samples[0]
     assert (info.labels["block_size"], info.labels["num_blocks"]) == ("4", "8")
+    assert info.labels["cache_dtype"] == "fp8_e4m3"
 
 
 def test_request_histograms_and_finish_reasons_are_observed(client):
