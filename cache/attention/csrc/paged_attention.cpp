@@ -26,6 +26,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -189,28 +190,35 @@ struct Problem {
 };
 
 // scores[t] = q . k[t] for keys [0, num_keys). A row's query chunks stay in registers.
-// Pairwise step of a 16-way transposed sum. `a` and `b` each hold `keys` keys' partial sums in
-// consecutive groups of 16 / keys lanes; the result holds 2 * keys keys' sums in groups half as
+// __builtin_shufflevector (clang, GCC >= 12) or its GCC spelling, for older compilers.
+template <int... Lanes>
+inline vfloat shuffle(vfloat a, vfloat b) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  return __builtin_shufflevector(a, b, Lanes...);
+#else
+  return __builtin_shuffle(a, b, vint{Lanes...});
+#endif
+}
+
+// Pairwise step of a 16-way transposed sum. `a` and `b` each hold KEYS keys' partial sums in
+// consecutive groups of 16 / KEYS lanes; the result holds 2 * KEYS keys' sums in groups half as
 // wide (a's keys first), each group folded onto itself by adding its upper half to its lower.
 template <int KEYS>
+constexpr int low_half_lane(int i) {  // of concatenated (a, b): where result lane i's low half is
+  constexpr int width = kLanes / KEYS, half = width / 2;
+  return i < kLanes / 2 ? (i / half) * width + i % half
+                        : kLanes + ((i - kLanes / 2) / half) * width + i % half;
+}
+
+template <int KEYS, int... I>
+inline vfloat fold(vfloat a, vfloat b, std::integer_sequence<int, I...>) {
+  constexpr int half = kLanes / KEYS / 2;
+  return shuffle<low_half_lane<KEYS>(I)...>(a, b) + shuffle<(low_half_lane<KEYS>(I) + half)...>(a, b);
+}
+
+template <int KEYS>
 inline vfloat fold(vfloat a, vfloat b) {
-  constexpr int w = kLanes / KEYS;  // lanes per key in a and b
-  constexpr int h = w / 2;
-  // Lane i of the result is key i / h's lane i % h: the low half of its group ...
-#define PS_LOW(i) ((i) < 8 ? ((i) / h) * w + (i) % h : kLanes + (((i) - 8) / h) * w + (i) % h)
-  // ... plus the high half.
-#define PS_HIGH(i) (PS_LOW(i) + h)
-  const vfloat low = __builtin_shufflevector(
-      a, b, PS_LOW(0), PS_LOW(1), PS_LOW(2), PS_LOW(3), PS_LOW(4), PS_LOW(5), PS_LOW(6),
-      PS_LOW(7), PS_LOW(8), PS_LOW(9), PS_LOW(10), PS_LOW(11), PS_LOW(12), PS_LOW(13),
-      PS_LOW(14), PS_LOW(15));
-  const vfloat high = __builtin_shufflevector(
-      a, b, PS_HIGH(0), PS_HIGH(1), PS_HIGH(2), PS_HIGH(3), PS_HIGH(4), PS_HIGH(5), PS_HIGH(6),
-      PS_HIGH(7), PS_HIGH(8), PS_HIGH(9), PS_HIGH(10), PS_HIGH(11), PS_HIGH(12), PS_HIGH(13),
-      PS_HIGH(14), PS_HIGH(15));
-#undef PS_LOW
-#undef PS_HIGH
-  return low + high;
+  return fold<KEYS>(a, b, std::make_integer_sequence<int, kLanes>{});
 }
 
 // The horizontal sums of 16 vectors as one vector, in order: 15 folds (30 shuffles) instead of
