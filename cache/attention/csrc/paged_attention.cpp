@@ -38,7 +38,6 @@ typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
-
 constexpr int kKeyTile = 32;     // K and V tiles (2 x 32 x head_dim floats) stay in L1
 constexpr int kQueryTile = 16;   // prefill tokens per work item: enough items for every core
 constexpr int kMaxChunks = 32;   // head_dim <= 512
@@ -85,10 +84,12 @@ inline vuint zero_extend(const uint8_t* bytes) {
 inline vfloat widen(const Fp8E4M3* src) {
   const vuint word = zero_extend(&src->bits);
   const vuint magnitude = word & 0x7Fu;
-  vuint bits = (magnitude << 20) + ((127u - 7u) << 23);
-  vfloat normal, subnormal = __builtin_convertvector(magnitude, vfloat) * 0x1p-9f;
-  std::memcpy(&normal, &bits, sizeof(normal));
+  const vuint normal_bits = (magnitude << 20) + ((127u - 7u) << 23);
+  vfloat normal;
+  std::memcpy(&normal, &normal_bits, sizeof(normal));
+  const vfloat subnormal = __builtin_convertvector(magnitude, vfloat) * 0x1p-9f;
   const vfloat value = magnitude < 8u ? subnormal : normal;
+  vuint bits;
   std::memcpy(&bits, &value, sizeof(bits));
   bits |= (word & 0x80u) << 24;  // the sign
   vfloat signed_value;
