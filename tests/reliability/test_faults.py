@@ -298,8 +298,15 @@ def test_an_oversubscribed_pool_preempts_and_completes_every_request(h):
     prompts = ["The quick brown fox jumps over the", "In the beginning there was"]
     bodies = [{"prompt": prompt, "max_tokens": 12, "ignore_eos": True}
               for prompt in prompts * 2]  # 4 x 4-5 blocks against a pool of 16
+    # Held at the gate until all four are in the scheduler: arriving one by one, a request could
+    # finish before the last one starts and nothing would need preempting.
+    h.gate.pause()
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-        results = list(pool.map(lambda body: complete(h.url, **body), bodies))
+        futures = [pool.submit(complete, h.url, **body) for body in bodies]
+        arrived = wait_for(lambda: len(h.llm.scheduler.requests) == len(bodies))
+        h.gate.resume()
+        assert arrived, "the requests never all reached the scheduler"
+        results = [future.result() for future in futures]
     for result in results:
         assert_completion(result)
         assert result["usage"]["completion_tokens"] == 12
