@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from cache.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend
+from cache.cache_engine import KV_CACHE_DTYPES
+from cache.cache_engine import TORCH_DTYPES as DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_CACHE_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 DEFAULT_OUTPUT = Path(__file__).parent / "results" / "attention.json"
 
 

@@ -24,6 +24,7 @@ from benchmarks.workload import (
     set_num_threads,
     write_results,
 )
+from cache.cache_engine import KV_CACHE_DTYPES
 
 PHASES = ("schedule", "prepare", "forward", "sample", "update", "detokenize")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also write a torch profiler chrome trace of the largest batch",
     )
     parser.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "fp8_e4m3"]
+        "--kv-cache-dtype", default="auto", choices=["auto", *sorted(KV_CACHE_DTYPES)]
     )
     parser.add_argument("--kv-cache-memory", default=None,
                         help="KV budget (default: the engine's); 64 x 1,024 in fp32 needs ~4GiB")

@@ -25,10 +25,11 @@ from cache.attention.torch_ref import TorchPagedAttention, store_kv_by_slot
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"]  # psabi: 64-byte vector returns on AVX2 hosts
+# -Wno-psabi: GCC notes the ABI of 64-byte vector returns on AVX2-only hosts; they never leave the file.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"]
+_LDFLAGS = ["-fopenmp"]
 # The kernel keeps a row in registers as kMaxChunks x 16 floats; larger heads take the reference.
 MAX_HEAD_DIM = 512
-_LDFLAGS = ["-fopenmp"]
 
 
 def kernel_cache_dir() -> Path:

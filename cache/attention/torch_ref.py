@@ -12,14 +12,13 @@ from torch import Tensor
 
 from cache.attention.metadata import AttentionMetadata
 
-FP8_E4M3_MAX = 448.0  # largest finite torch.float8_e4m3fn
-
 
 def to_cache_dtype(values: Tensor, dtype: torch.dtype) -> Tensor:
-    """New K or V rows in the cache's storage dtype, contiguous; fp8 (e4m3) saturates at +-448
-    rather than overflowing to NaN."""
-    if dtype == torch.float8_e4m3fn:
-        values = values.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    """New K or V rows in the cache's storage dtype, contiguous; fp8 saturates at its largest
+    finite value (448 for e4m3) rather than overflowing to NaN."""
+    if dtype.itemsize == 1:  # fp8
+        largest = torch.finfo(dtype).max
+        values = values.clamp(-largest, largest)
     return values.to(dtype).contiguous()
 
 

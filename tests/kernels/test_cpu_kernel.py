@@ -136,6 +136,16 @@ def test_cpu_kernel_reads_a_cache_stored_in_a_smaller_dtype(
     matches_reference(cpu_backend, batch)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_cpu_kernel_widens_a_smaller_cache_with_an_odd_head_size(
+    cpu_backend, paged_batch, matches_reference, kv_dtype
+):
+    # head_dim 40 = two whole 16-lane vectors and a partial one: the widening's tail path.
+    batch = paged_batch([1, 20], [30, 45], num_heads=4, num_kv_heads=2, head_dim=40,
+                        block_size=7, kv_dtype=kv_dtype, seed=5)
+    matches_reference(cpu_backend, batch)
+
+
 def test_cpu_kernel_widens_every_fp8_value_exactly(cpu_backend):
     # One key per request: softmax gives it weight 1, so the output is its value row, widened.
     # 4 requests x 64 dims cover all 256 fp8 bit patterns, NaNs (0x7f, 0xff) included.
