@@ -15,10 +15,18 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import pytest
+
 from cache import BlockManager
 from cache.block_table import ceil_div
 from configs import SamplingParams, SchedulerConfig
 from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerOutput
+
+# Helpers that assert, shared by several test files: rewritten like test files, so their failures
+# show the compared values. The root conftest loads before any test module imports them.
+pytest.register_assert_rewrite(
+    "tests.cache.support", "tests.scheduler.support", "tests.reliability.support"
+)
 
 # Without CUDA the Triton kernels run under Triton's interpreter, which must be switched on before
 # anything imports triton (transformers and torch may, during collection of other packages' tests):

@@ -1,4 +1,5 @@
-"""Scheduler unit tests: admission, growth, chunked prefill, preemption, stops, aborts, fork, prefix cache.
+"""Scheduler unit tests for who runs and with what: admission checks, growth and per-step budgets,
+chunked prefill, and preemption under block pressure with the FCFS and priority policies.
 
 Driven by the fake model runner in tests/conftest.py; `step` and `run_to_completion` check the plan
 and the bookkeeping after every step (budgets, slots, exclusive writes, K/V read back, no leaks).
@@ -6,24 +7,17 @@ and the bookkeeping after every step (budgets, slots, exclusive writes, K/V read
 
 import pytest
 
-from scheduler import AdmissionError, ModelRunnerOutput, RequestStatus
+from scheduler import AdmissionError, RequestStatus
 from tests.conftest import (
-    EOS_TOKEN_ID,
     FakeModelRunner,
     RunLog,
-    check_all_free,
-    check_state,
     expected_output_token_ids,
     make_request,
     make_scheduler,
     run_to_completion,
     step,
 )
-
-
-def ref_counts(scheduler):
-    return [block.ref_count for block in scheduler.block_manager.pool.blocks]
-
+from tests.scheduler.support import ref_counts
 
 # ---- admission ----------------------------------------------------------------------------------
 
@@ -250,259 +244,6 @@ def test_preempted_request_recomputes_its_prompt_and_generated_tokens_when_readm
     assert resumed.start_position == 0 and resumed.token_ids == tokens_at_preemption
     log = run_to_completion(scheduler, runner)
     assert log.finished["b"].output_token_ids == expected_output_token_ids(victim)
-
-
-# ---- stops -------------------------------------------------------------------------------------
-
-
-def start_one(max_tokens=10, **sampling):
-    scheduler = make_scheduler(num_blocks=8, block_size=4)
-    request = make_request("a", 6, max_tokens=max_tokens, **sampling)
-    scheduler.add_request(request)
-    runner = FakeModelRunner(scheduler)
-    step(scheduler, runner)
-    return scheduler, runner, request
-
-
-def test_eos_finishes_the_request_and_frees_its_blocks_at_once():
-    scheduler, runner, request = start_one()
-    step(scheduler, runner, forced={"a": EOS_TOKEN_ID})
-    assert request.status == RequestStatus.FINISHED_STOPPED and request.status.finish_reason == "stop"
-    assert request.output_token_ids[-1] == EOS_TOKEN_ID and not scheduler.has_unfinished_requests()
-    check_all_free(scheduler)
-
-
-def test_eos_is_ignored_with_ignore_eos():
-    scheduler, runner, request = start_one(max_tokens=4, ignore_eos=True)
-    step(scheduler, runner, forced={"a": EOS_TOKEN_ID})
-    assert request.status == RequestStatus.RUNNING
-    run_to_completion(scheduler, runner)
-    assert request.status == RequestStatus.FINISHED_LENGTH and request.num_output_tokens == 4
-
-
-def test_stop_token_ids_finish_the_request_even_with_ignore_eos():
-    scheduler, runner, request = start_one(ignore_eos=True, stop_token_ids=(7,))
-    step(scheduler, runner, forced={"a": 7})
-    assert request.status == RequestStatus.FINISHED_STOPPED and request.num_output_tokens == 2
-    check_all_free(scheduler)
-
-
-def test_max_tokens_finishes_the_request_with_length():
-    scheduler = make_scheduler()
-    request = make_request("a", 5, max_tokens=3)
-    scheduler.add_request(request)
-    log = run_to_completion(scheduler)
-    assert request.status == RequestStatus.FINISHED_LENGTH and request.status.finish_reason == "length"
-    assert log.finish_step["a"] == 3 and request.output_token_ids == expected_output_token_ids(request)
-
-
-def test_min_tokens_delays_eos_and_stop_token_ids():
-    scheduler, runner, request = start_one(min_tokens=4, stop_token_ids=(7,))
-    for token_id in (EOS_TOKEN_ID, 7, EOS_TOKEN_ID):  # outputs 2..4 (the first came from prefill)
-        assert request.status == RequestStatus.RUNNING
-        step(scheduler, runner, forced={"a": token_id})
-    assert request.status == RequestStatus.FINISHED_STOPPED and request.num_output_tokens == 4
-    check_all_free(scheduler)
-
-
-# ---- abort and finish --------------------------------------------------------------------------
-
-
-def test_abort_of_a_waiting_request_removes_it_from_every_queue():
-    scheduler = make_scheduler()
-    scheduler.add_request(make_request("a", 5))
-    aborted = scheduler.abort_request("a")
-    assert aborted.status == RequestStatus.FINISHED_ABORTED and aborted.status.finish_reason == "abort"
-    assert not scheduler.has_unfinished_requests() and scheduler.num_waiting == 0
-    assert scheduler.abort_request("a") is None and scheduler.abort_request("unknown") is None
-    check_all_free(scheduler)
-
-
-@pytest.mark.parametrize("num_steps", [1, 3], ids=["mid_prefill", "decoding"])
-def test_abort_of_a_running_request_frees_all_its_blocks_at_once(num_steps):
-    scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=4)
-    runner = FakeModelRunner(scheduler)
-    scheduler.add_request(make_request("a", 9, max_tokens=8))
-    scheduler.add_request(make_request("b", 3, max_tokens=8))
-    for _ in range(num_steps):
-        step(scheduler, runner)
-    assert scheduler.block_manager.block_ids("a")
-    scheduler.abort_request("a")
-    check_state(scheduler)
-    assert scheduler.block_manager.num_free_blocks == 16 - len(scheduler.block_manager.block_ids("b"))
-    scheduler.abort_request("b")
-    check_all_free(scheduler)
-
-
-def test_abort_between_schedule_and_update_frees_at_once_and_the_update_skips_it():
-    scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=4)
-    scheduler.add_request(make_request("a", 12, max_tokens=4))
-    plan = scheduler.schedule()  # a non-final chunk: blocks reserved, nothing computed yet
-    scheduler.abort_request("a")
-    check_all_free(scheduler)
-    assert scheduler.update_from_output(plan, ModelRunnerOutput({})) == []
-    check_all_free(scheduler)
-
-
-def test_finish_request_with_error_frees_blocks_and_reports_error():
-    scheduler, runner, request = start_one()
-    assert scheduler.finish_request("a", RequestStatus.FINISHED_ERROR) is request
-    assert request.status.finish_reason == "error"
-    check_all_free(scheduler)
-
-
-def test_abort_of_a_fork_waiting_child_removes_it():
-    scheduler = make_scheduler()
-    parent = make_request("p", 6)
-    scheduler.add_request(parent)
-    scheduler.add_request(make_request("c", prompt_token_ids=parent.prompt_token_ids, parent_request_id="p"))
-    assert scheduler.num_waiting == 2
-    scheduler.abort_request("c")
-    assert not scheduler.fork_waiting and scheduler.num_waiting == 1
-    run_to_completion(scheduler)
-
-
-# ---- n > 1 through fork ------------------------------------------------------------------------
-
-
-def add_parent_and_child(scheduler, num_prompt_tokens, max_tokens=6):
-    parent = make_request("p", num_prompt_tokens, max_tokens=max_tokens, ignore_eos=True)
-    child = make_request(
-        "p#1", prompt_token_ids=parent.prompt_token_ids, parent_request_id="p",
-        max_tokens=max_tokens, ignore_eos=True, seed=1,
-    )
-    scheduler.add_request(parent)
-    scheduler.add_request(child)
-    return parent, child
-
-
-@pytest.mark.parametrize("num_prompt_tokens", [10, 8], ids=["partial_last_block", "full_last_block"])
-def test_fork_child_waits_for_the_parent_prompt_then_shares_its_blocks_with_copy_on_write(
-    num_prompt_tokens,
-):
-    scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=4)
-    runner = FakeModelRunner(scheduler)
-    parent, child = add_parent_and_child(scheduler, num_prompt_tokens)
-    while parent.num_computed_tokens < parent.num_prompt_tokens:
-        step(scheduler, runner)
-        assert scheduler.fork_waiting == [child] and "p#1" not in scheduler.block_manager.tables
-    prompt_blocks = list(scheduler.block_manager.block_ids("p"))
-    plan = scheduler.schedule()
-    # Exactly the block holding the last prompt token is written by both, so exactly it is copied.
-    ((source, destination),) = plan.block_copies
-    assert source == prompt_blocks[-1]
-    refs, tables = ref_counts(scheduler), scheduler.block_manager.tables
-    assert all(refs[b] == 2 for b in prompt_blocks[:-1]) and refs[source] == refs[destination] == 1
-    last = len(prompt_blocks) - 1
-    assert {tables["p"].block_ids[last], tables["p#1"].block_ids[last]} == {source, destination}
-    assert tables["p"].block_ids[:last] == tables["p#1"].block_ids[:last] == prompt_blocks[:last]
-    (scheduled,) = [s for s in plan.requests if s.request_id == "p#1"]
-    assert scheduled.start_position == num_prompt_tokens - 1 and scheduled.needs_sample
-    assert child.num_cached_tokens == num_prompt_tokens - 1
-    scheduler.update_from_output(plan, runner.execute(plan))
-    log = run_to_completion(scheduler, runner)
-    assert log.finished["p"].output_token_ids == expected_output_token_ids(parent)
-    assert log.finished["p#1"].output_token_ids == expected_output_token_ids(child)
-    assert child.output_token_ids != parent.output_token_ids  # different seeds: real sharing tested
-
-
-@pytest.mark.parametrize("num_steps", [0, 1], ids=["parent_waiting", "parent_mid_prefill"])
-def test_fork_child_whose_parent_is_aborted_first_completes_on_its_own(num_steps):
-    scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=4)
-    runner = FakeModelRunner(scheduler)
-    _, child = add_parent_and_child(scheduler, 12)
-    for _ in range(num_steps):
-        step(scheduler, runner)
-    scheduler.abort_request("p")
-    log = run_to_completion(scheduler, runner)
-    assert child.status == RequestStatus.FINISHED_LENGTH
-    assert log.finished["p#1"].output_token_ids == expected_output_token_ids(child)
-
-
-def test_child_forked_after_the_parent_decoded_past_a_block_never_poisons_the_prefix_cache():
-    # max_num_seqs=2 holds the child back until `x` finishes; by then the parent has decoded a
-    # full block (positions 8..11). The child inherits that block's hash, so its own block at
-    # 12..15 is cached under the parent's chain, and a prompt of parent[:12] + child[12:16]
-    # reads K/V computed after the child's tokens 8..11.
-    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2)
-    runner, log = FakeModelRunner(scheduler), RunLog()
-    parent = make_request("p", 8, max_tokens=20, ignore_eos=True)
-    scheduler.add_request(parent)
-    scheduler.add_request(make_request("x", 4, max_tokens=6, ignore_eos=True))
-    child = make_request(
-        "p#1", prompt_token_ids=parent.prompt_token_ids, parent_request_id="p",
-        max_tokens=20, ignore_eos=True, seed=1,
-    )
-    scheduler.add_request(child)
-    while child.num_computed_tokens < 16:
-        step(scheduler, runner, log)
-    mixed = parent.all_token_ids[:12] + child.all_token_ids[12:16] + [5]
-    probe = make_request("probe", prompt_token_ids=mixed, max_tokens=2, ignore_eos=True)
-    scheduler.add_request(probe)
-    run_to_completion(scheduler, runner)  # fails: "probe reads K/V of another prefix"
-
-
-def test_child_never_overwrites_a_cached_block_it_inherited_from_its_parent():
-    # As above, but the parent is aborted right after the late fork: the child then holds the
-    # parent's cached block of positions 8..11 alone (ref 1), writes its own tokens into it in
-    # place, and a prompt of parent[:12] hits that block and reads the child's K/V.
-    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2)
-    runner = FakeModelRunner(scheduler)
-    parent, child = add_parent_and_child(scheduler, 8, max_tokens=20)
-    scheduler.add_request(make_request("x", 4, max_tokens=6, ignore_eos=True))
-    while child.status != RequestStatus.RUNNING:
-        step(scheduler, runner)
-    parent_prefix = parent.all_token_ids[:12]
-    scheduler.abort_request("p")
-    while child.num_computed_tokens < 12:
-        step(scheduler, runner)
-    scheduler.add_request(make_request("probe", prompt_token_ids=parent_prefix + [5], max_tokens=2))
-    run_to_completion(scheduler, runner)  # fails: "probe reads K/V of another prefix"
-
-
-# ---- prefix caching ----------------------------------------------------------------------------
-
-
-def test_second_request_with_the_same_prompt_reuses_the_cached_prefix():
-    scheduler = make_scheduler(num_blocks=32, block_size=4)
-    runner = FakeModelRunner(scheduler)
-    first = make_request("a", 17, max_tokens=4, ignore_eos=True)
-    scheduler.add_request(first)
-    step(scheduler, runner)
-    second = make_request("b", prompt_token_ids=first.prompt_token_ids, max_tokens=4, ignore_eos=True)
-    scheduler.add_request(second)
-    plan = step(scheduler, runner)
-    (scheduled,) = [s for s in plan.requests if s.request_id == "b"]
-    assert second.num_cached_tokens == 16
-    assert scheduled.start_position == 16 and scheduled.num_new_tokens == 1
-    assert scheduled.block_ids[:4] == scheduler.block_manager.block_ids("a")[:4]
-    assert all(ref_counts(scheduler)[b] == 2 for b in scheduled.block_ids[:4])
-    log = run_to_completion(scheduler, runner)
-    assert log.finished["b"].output_token_ids == log.finished["a"].output_token_ids
-
-
-def test_cached_prefix_outlives_the_request_that_computed_it():
-    scheduler = make_scheduler(num_blocks=32, block_size=4)
-    runner = FakeModelRunner(scheduler)
-    first = make_request("a", 17, max_tokens=1)
-    scheduler.add_request(first)
-    run_to_completion(scheduler, runner)
-    second = make_request("b", prompt_token_ids=first.prompt_token_ids, max_tokens=1)
-    scheduler.add_request(second)
-    log = run_to_completion(scheduler, runner)
-    assert second.num_cached_tokens == 16 and log.plans[0].num_batched_tokens == 1
-
-
-@pytest.mark.parametrize("enable_prefix_caching, salt", [(True, "other"), (False, None)])
-def test_no_prefix_hit_across_cache_salts_or_with_caching_disabled(enable_prefix_caching, salt):
-    scheduler = make_scheduler(num_blocks=32, block_size=4, enable_prefix_caching=enable_prefix_caching)
-    first = make_request("a", 17, max_tokens=1)
-    scheduler.add_request(first)
-    run_to_completion(scheduler)
-    second = make_request("b", prompt_token_ids=first.prompt_token_ids, max_tokens=1, cache_salt=salt)
-    scheduler.add_request(second)
-    log = run_to_completion(scheduler)
-    assert second.num_cached_tokens == 0 and log.plans[0].num_batched_tokens == 17
 
 
 def test_priority_policy_admits_a_waiting_higher_priority_request_before_a_preempted_lower_one():
