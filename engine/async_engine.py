@@ -16,8 +16,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from configs import EngineConfig, SamplingParams
-from engine.errors import EngineDeadError, EngineOverloadedError
+from configs import EngineConfig, SamplingParams, SamplingParamsError
+from engine.errors import EngineDeadError, EngineError, EngineOverloadedError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestDelta
 
@@ -160,8 +160,12 @@ class AsyncEngine:
             request_id, prompt_token_ids, params, arrival_time = payload
             try:
                 engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
-            except Exception as error:  # noqa: BLE001 - reported to that request's stream only
+            except (EngineError, SamplingParamsError) as error:  # the request's own fault: as is
                 self._send_error(request_id, error)
+            except Exception as error:  # noqa: BLE001 - a bug, reported to that request only
+                logger.exception("request %s: add_request failed", request_id)
+                self._send_error(request_id, RequestFailedError(
+                    f"The engine could not accept the request ({type(error).__name__}: {error})."))
             return []
         if command == "abort":
             return engine.abort_request(payload)

@@ -273,6 +273,27 @@ def test_a_sampling_error_fails_only_its_request(h, monkeypatch):
     h.assert_pool_idle()
 
 
+def test_a_bug_while_adding_a_request_fails_only_that_request_with_a_500(h, monkeypatch):
+    original = h.llm.add_request
+
+    def failing_add_request(request_id: str, prompt_token_ids: list[int], params: Any,
+                            **kwargs: Any) -> None:
+        if params.seed == SENTINEL_SEED:
+            raise KeyError("injected add fault")
+        original(request_id, prompt_token_ids, params, **kwargs)
+
+    monkeypatch.setattr(h.llm, "add_request", failing_add_request)
+    response = httpx.post(f"{h.url}/v1/completions", timeout=60, json={
+        "model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 2,
+        "seed": SENTINEL_SEED})
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["type"] == "server_error"
+    assert "could not accept the request (KeyError" in error["message"]
+    assert_completion(complete(h.url, prompt="Hello", max_tokens=2))
+    h.assert_pool_idle()
+
+
 def test_a_failing_forward_pass_fails_its_batch_and_the_engine_serves_on(h, monkeypatch):
     runner = h.llm.runner
     original, calls = runner.execute, []
