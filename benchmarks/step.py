@@ -5,7 +5,9 @@ prepare (incl. copy-on-write copies), forward, sample, update (scheduler) and de
 engine's per-request deltas). The baseline is the forward pass itself: everything else is
 overhead, reported as a share of the whole step (goal: <= 15% at batch 64). Inside the forward
 pass, the time spent in the paged attention backend (K/V store + attention, all layers) is timed
-separately and reported as its share of the step (goal: < 25% at 64 x 1,024 context).
+separately and reported as its share of the step (goal: < 25% at 64 x 1,024 context), next to
+its floor: the time to stream the step's K/V bytes at the machine's measured read bandwidth
+(`read_bandwidth`), i.e. the share attention would have if the kernel ran at the memory roofline.
 
     python -m benchmarks.step [--batch-sizes 1 16 64] [--steps 10] [--prompt-tokens 128] [--profile]
 """
@@ -21,6 +23,7 @@ from benchmarks.workload import (
     RESULTS_DIR,
     WorkloadConfig,
     build_prompts,
+    read_bandwidth,
     set_num_threads,
     write_results,
 )
@@ -128,6 +131,10 @@ def timed_step(engine: Any) -> dict[str, float]:
     from scheduler import ModelRunnerOutput
 
     runner, clock = engine.runner, time.perf_counter
+    # Each decoding request attends over all its tokens: that many K/V rows, every layer.
+    kv_bytes = sum(r.num_tokens for r in engine.scheduler.running) * (
+        runner.cache_engine.spec.bytes_per_token
+    )
     t0 = clock()
     plan = engine.scheduler.schedule()
     t1 = clock()
@@ -150,10 +157,12 @@ def timed_step(engine: Any) -> dict[str, float]:
     if plan.num_batched_tokens != len(plan.requests):
         raise RuntimeError("a timed step was not a pure decode step")
     phases = dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5), strict=True))
-    return {**phases, "attention": attention_s}
+    return {**phases, "attention": attention_s, "kv_bytes": kv_bytes}
 
 
-def measure(engine: Any, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+def measure(
+    engine: Any, args: argparse.Namespace, prompts: list[list[int]], read_bytes_per_s: float
+) -> dict[str, Any]:
     """Median of each phase over `args.steps` decode steps at batch `len(prompts)`."""
     request_ids = fill_to_decode(engine, prompts)
     if engine.scheduler.num_running != len(prompts):
@@ -165,6 +174,8 @@ def measure(engine: Any, args: argparse.Namespace, prompts: list[list[int]]) -> 
     step_s = sum(phases.values())
     overhead_s = step_s - phases["forward"]
     attention_s = _median([s["attention"] for s in samples])
+    kv_bytes = _median([s["kv_bytes"] for s in samples])
+    attention_floor_s = kv_bytes / read_bytes_per_s
     drain(engine, request_ids)
     return {
         "batch_size": len(prompts),
@@ -174,6 +185,10 @@ def measure(engine: Any, args: argparse.Namespace, prompts: list[list[int]]) -> 
         # Part of "forward": the attention backend's K/V stores and paged attention, all layers.
         "attention_ms": attention_s * 1e3,
         "attention_fraction": attention_s / step_s,
+        # At the memory roofline: the step's K/V bytes read once at `read_gb_per_s`.
+        "kv_read_mb": kv_bytes / 1e6,
+        "attention_floor_ms": attention_floor_s * 1e3,
+        "attention_floor_fraction": attention_floor_s / (step_s - attention_s + attention_floor_s),
         "decode_tokens_per_s": len(prompts) / step_s,
     }
 
@@ -200,7 +215,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'batch':>5} "
         + " ".join(f"{phase + ' ms':>13}" for phase in PHASES)
-        + f" {'step ms':>9} {'overhead':>9} {'attn ms':>8} {'attn':>6} {'tok/s':>8}"
+        + f" {'step ms':>9} {'overhead':>9} {'attn ms':>8} {'attn':>6} {'floor ms':>8} {'floor':>6} {'tok/s':>8}"
     )
     for row in rows:
         print(
@@ -208,6 +223,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             + " ".join(f"{row['phases_ms'][phase]:>13.2f}" for phase in PHASES)
             + f" {row['step_ms']:>9.2f} {row['overhead_fraction']:>9.1%}"
             + f" {row['attention_ms']:>8.2f} {row['attention_fraction']:>6.1%}"
+        + f" {row['attention_floor_ms']:>8.2f} {row['attention_floor_fraction']:>6.1%}"
             + f" {row['decode_tokens_per_s']:>8.1f}"
         )
 
@@ -229,10 +245,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         seed=args.seed,
     )
     prompts = build_prompts(workload, engine.tokenizer)
-    rows = [measure(engine, args, prompts[:batch_size]) for batch_size in args.batch_sizes]
+    read_bytes_per_s = read_bandwidth()
+    rows = [
+        measure(engine, args, prompts[:batch_size], read_bytes_per_s)
+        for batch_size in args.batch_sizes
+    ]
+    for row in rows:
+        row["read_gb_per_s"] = read_bytes_per_s / 1e9
     print(
         f"decode step breakdown: {args.dtype}, KV cache {args.kv_cache_dtype}, context {args.prompt_tokens}+ tokens, "
-        f"median of {args.steps} steps, threads={args.num_threads or 'default'}"
+        f"median of {args.steps} steps, threads={args.num_threads or 'default'}; "
+        f"floor = attention at the {read_bytes_per_s / 1e9:.1f} GB/s read roofline"
     )
     print_table(rows)
     if args.profile:

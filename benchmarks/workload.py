@@ -166,6 +166,27 @@ def set_num_threads(num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
+def read_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per second that torch's threads stream out of memory: an int32 max over a buffer.
+
+    The roofline for a decode step's attention, which must read every context token's K and V
+    once: a reduction that does nothing else with the bytes. int32, because a float reduction
+    of arbitrary bytes could meet subnormals (slow on x86), and a max, because torch's integer
+    sum is not vectorised (10x slower than the memory). The buffer is larger than any L2; the
+    figure is the median of `repeats` passes with the current torch thread count.
+    """
+    import torch
+
+    buffer = torch.ones(num_bytes // 4, dtype=torch.int32)  # written, so its pages are real
+    buffer.amax()  # warm-up
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.amax()
+        seconds.append(time.perf_counter() - start)
+    return num_bytes / sorted(seconds)[len(seconds) // 2]
+
+
 def machine_info() -> dict[str, Any]:
     """Where and with what a result was measured."""
     cpu_model = platform.processor()
