@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks import attention, memory, serving, step, throughput
-from benchmarks.workload import WorkloadConfig, build_prompts, percentile, prompt_lengths
+from benchmarks.workload import (
+    WorkloadConfig,
+    build_prompts,
+    percentile,
+    prompt_lengths,
+    read_bandwidth,
+)
 
 TINY_WORKLOAD = [
     "--num-requests",
@@ -48,6 +54,11 @@ def test_workload_is_seeded_and_within_the_length_bounds():
     prompts = build_prompts(config, ByteTokenizer())
     assert [len(prompt) for prompt in prompts] == lengths
     assert prompts == build_prompts(config, ByteTokenizer())
+
+
+def test_read_bandwidth_is_a_plausible_rate():
+    bytes_per_s = read_bandwidth(num_bytes=8 << 20, repeats=2)
+    assert 1e8 < bytes_per_s < 1e13  # 0.1 GB/s .. 10 TB/s
 
 
 def test_percentile_interpolates_between_samples():
@@ -162,6 +173,11 @@ def test_step_benchmark_times_every_phase(tmp_path):
     assert 0 < rows[1]["overhead_fraction"] < 1
     assert 0 < rows[1]["attention_ms"] < rows[1]["phases_ms"]["forward"]
     assert 0 < rows[1]["attention_fraction"] < 1
+    # Batch 2 with 16-token prompts reads >= 2 x 17 tokens of K/V per step, 30 layers x 3 kv heads
+    # x 64 dims x K and V x 4 bytes each.
+    assert rows[1]["kv_read_mb"] >= 2 * 17 * 30 * 3 * 64 * 2 * 4 / 1e6
+    assert rows[1]["read_gb_per_s"] > 0
+    assert 0 < rows[1]["attention_floor_fraction"] < 1
 
 
 def test_attention_benchmark_times_kernel_reference_and_sdpa_per_cache_dtype(tmp_path):
@@ -171,9 +187,16 @@ def test_attention_benchmark_times_kernel_reference_and_sdpa_per_cache_dtype(tmp
          "--kv-cache-dtype", "auto", "fp8_e4m3", "--output", str(output)]
     )
     assert [(row["impl"], row["kv_cache_dtype"]) for row in rows] == [
-        (impl, kv) for kv in ("float32", "fp8_e4m3") for impl in ("cpu", "torch_ref", "sdpa_contiguous")
+        (impl, kv)
+        for kv in ("float32", "fp8_e4m3")
+        for impl in ("cpu", "torch_ref", "sdpa_contiguous", "cpu_kv_in_l2", "read_kv_once")
     ]
     assert all(row["cpu_max_abs_error_vs_ref"] < 1e-5 for row in rows)
+    kernel_fp32, kernel_fp8 = (row for row in rows if row["impl"] == "cpu")
+    # 2 requests x 40 tokens (3 blocks of 16 each) x 3 kv heads x 64 dims x K and V.
+    assert kernel_fp32["kv_bytes"] == 2 * 3 * 16 * 3 * 64 * 2 * 4
+    assert kernel_fp8["kv_bytes"] == kernel_fp32["kv_bytes"] // 4
+    assert kernel_fp32["fraction_of_read_roofline"] > 0 and kernel_fp32["compute_bound_ms"] > 0
     assert json.loads(output.read_text())["results"] == rows
 
 
