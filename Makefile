@@ -12,7 +12,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast lint bench docker-smoke clean
+.PHONY: install run test test-fast lint bench docker-smoke gpu-wheels clean
 
 install: $(STAMP)
 
@@ -45,6 +45,17 @@ bench: install
 
 docker-smoke: install
 	$(PY) -m pytest tests/packaging/test_docker_smoke.py -v -s --run-docker
+
+# Wheels that benchmarks/gpu_check.sh carries to a lent GPU machine (Python 3.12 there; its image
+# lacks pydantic). The versions are this venv's, so the check runs what the tests here run.
+GPU_WHEELS = pydantic pydantic_core annotated_types typing_inspection typing_extensions
+gpu-wheels: install
+	rm -rf .whl && mkdir -p .whl
+	for name in $(GPU_WHEELS); do \
+	  version=$$($(PY) -c "import importlib.metadata as m; print(m.version('$$name'))") && \
+	  $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	    --implementation cp --platform manylinux2014_x86_64 -d .whl "$$name==$$version" || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

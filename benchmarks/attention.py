@@ -1,11 +1,17 @@
-"""Benchmark one decode step's paged attention: the cpu kernel vs the gather reference vs SDPA.
+"""Benchmark one decode step's paged attention: our kernel vs the gather reference vs SDPA.
 
-All three run in the same process on the same data, interleaved round by round so machine noise
-hits them alike. SDPA gets pre-made contiguous K/V (the lower bound a paged kernel chases); the
-kernel and the reference read a cache with shuffled block tables, as a long-running server would.
+All run in the same process on the same data, interleaved round by round so machine noise hits
+them alike. SDPA gets pre-made contiguous K/V (the lower bound a paged kernel chases; on CUDA it is
+torch's FlashAttention kernel); the kernel and the reference read a cache with shuffled block
+tables, as a long-running server would. Two roofline rows come with them: a pass that only reads
+the K/V bytes, and the kernel with K/V resident in L2.
 
     python -m benchmarks.attention [--batch 64] [--context 1024] [--dtype float32 bfloat16]
-        [--kv-cache-dtype auto bfloat16 fp8_e4m3]
+        [--kv-cache-dtype auto bfloat16 fp8_e4m3] [--device cpu|cuda] [--backend auto|cpu|triton]
+
+`--backend auto` is the `cpu` kernel on the CPU and `triton` on CUDA (the GPU check runs
+`--device cuda --batch 256 --context 4096`); `--backend triton` on the CPU runs Triton's
+interpreter, which is for correctness at tiny sizes only.
 
 `--dtype` is the model's (queries, outputs, SDPA's K/V); `--kv-cache-dtype` what the paged cache
 stores (auto: the same), so e.g. float32 queries over a bfloat16 cache are timed as the engine
@@ -19,7 +25,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -49,6 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--backend", choices=["auto", "cpu", "triton"], default="auto",
+                        help="the paged kernel to time (auto: cpu on the CPU, triton on CUDA)")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     return parser.parse_args(argv)
 
@@ -58,7 +67,8 @@ def make_decode_step(
 ):
     """Random cache + metadata for `batch` decode tokens; returns (query, caches, meta, sdpa inputs).
 
-    SDPA gets the same K/V values in the model's `dtype` (what a contiguous cache would hold)."""
+    SDPA gets the same K/V values in the model's `dtype` (what a contiguous cache would hold).
+    Values are drawn on the CPU (the same for every device), then moved to `args.device`."""
     num_blocks_per_req = -(-args.context // args.block_size)
     num_blocks = args.batch * num_blocks_per_req
     cache_shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
@@ -83,24 +93,39 @@ def make_decode_step(
         return rows.transpose(1, 2).to(dtype).contiguous()  # [batch, kv_heads, context, D]
 
     sdpa_inputs = (query.unsqueeze(2), contiguous(key_cache), contiguous(value_cache))
+    device = torch.device(args.device)
+    meta = replace(meta, **{
+        field.name: getattr(meta, field.name).to(device)
+        for field in fields(meta)
+        if isinstance(getattr(meta, field.name), torch.Tensor)
+    })
+    key_cache, value_cache, query = (t.to(device) for t in (key_cache, value_cache, query))
+    sdpa_inputs = tuple(t.to(device) for t in sdpa_inputs)
     return query, key_cache, value_cache, meta, sdpa_inputs
 
 
 def time_interleaved(
-    candidates: dict[str, Callable[[], torch.Tensor]], repeats: int
+    candidates: dict[str, Callable[[], object]], repeats: int, device: torch.device
 ) -> dict[str, tuple[list[float], list[float]]]:
     """Run each candidate once per round (after a warm-up round).
 
     Returns per candidate (wall seconds, process CPU seconds) per call. CPU time, summed over
-    threads, is the steadier number on a shared machine where wall time includes waiting.
+    threads, is the steadier number on a shared machine where wall time includes waiting. On CUDA
+    the wall time spans a synchronize before and after the call: the kernels' whole run.
     """
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for run in candidates.values():
         run()
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in candidates}
     for _ in range(repeats):
         for name, run in candidates.items():
+            synchronize()
             wall_start, cpu_start = time.perf_counter(), time.process_time()
             run()
+            synchronize()
             times[name][0].append(time.perf_counter() - wall_start)
             times[name][1].append(time.process_time() - cpu_start)
     return times
@@ -114,7 +139,9 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str, kv_dtype_name: str) -
         args, dtype, generator, KV_CACHE_DTYPES[kv_dtype_name]
     )
     scale = args.head_dim**-0.5
-    cpu_backend = get_attention_backend("cpu", torch.device("cpu"))
+    device = torch.device(args.device)
+    name = args.backend if args.backend != "auto" else ("cpu" if device.type == "cpu" else "triton")
+    kernel = get_attention_backend(name, device)
     reference = TorchPagedAttention()
     # The roofline, two ways. Memory: one pass that only reads every K/V byte the step needs (an
     # int32 max over the caches); no attention kernel can beat it from DRAM. Compute: the same
@@ -123,45 +150,46 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str, kv_dtype_name: str) -
     l2_blocks = max(1, (1 << 20) // (2 * key_cache[0].nbytes))
     l2_meta = replace(meta, block_tables=meta.block_tables % l2_blocks)
     candidates = {
-        "cpu": lambda: cpu_backend.forward(query, key_cache, value_cache, meta, scale),
+        name: lambda: kernel.forward(query, key_cache, value_cache, meta, scale),
         "torch_ref": lambda: reference.forward(query, key_cache, value_cache, meta, scale),
         "sdpa_contiguous": lambda: F.scaled_dot_product_attention(
             q4, k4, v4, scale=scale, enable_gqa=True
         ),
-        "cpu_kv_in_l2": lambda: cpu_backend.forward(query, key_cache, value_cache, l2_meta, scale),
+        f"{name}_kv_in_l2": lambda: kernel.forward(query, key_cache, value_cache, l2_meta, scale),
         "read_kv_once": lambda: (
             key_cache.view(torch.int32).amax(),
             value_cache.view(torch.int32).amax(),
         ),
     }
-    max_error = (candidates["cpu"]().float() - candidates["torch_ref"]().float()).abs().max().item()
-    times = time_interleaved(candidates, args.repeats)
-    kernel_wall, kernel_cpu = (statistics.median(samples) for samples in times["cpu"])
+    max_error = (candidates[name]().float() - candidates["torch_ref"]().float()).abs().max().item()
+    times = time_interleaved(candidates, args.repeats, device)
+    kernel_wall, kernel_cpu = (statistics.median(samples) for samples in times[name])
     rows = [
         {
-            "impl": name,
+            "impl": impl,
+            "device": device.type,
             "dtype": dtype_name,
             "kv_cache_dtype": kv_dtype_name,
             "median_ms": statistics.median(wall) * 1e3,
             "min_ms": min(wall) * 1e3,
             "median_cpu_time_ms": statistics.median(cpu) * 1e3,
-            # > 1: the cpu kernel is faster than this implementation.
-            "cpu_speedup": statistics.median(wall) / kernel_wall,
-            "cpu_speedup_by_cpu_time": statistics.median(cpu) / kernel_cpu,
-            "cpu_max_abs_error_vs_ref": max_error,
+            # > 1: our paged kernel (the first row) is faster than this implementation.
+            "kernel_speedup": statistics.median(wall) / kernel_wall,
+            "kernel_speedup_by_cpu_time": statistics.median(cpu) / kernel_cpu,
+            "kernel_max_abs_error_vs_ref": max_error,
             "kv_bytes": key_cache.nbytes + value_cache.nbytes,
         }
-        for name, (wall, cpu) in times.items()
+        for impl, (wall, cpu) in times.items()
     ]
-    add_roofline(rows)
+    add_roofline(rows, kernel_name=name)
     return rows
 
 
-def add_roofline(rows: list[dict]) -> None:
+def add_roofline(rows: list[dict], kernel_name: str) -> None:
     """Puts the kernel's distance from the two bounds, timed in the same run, into its row."""
     kernel, read_once, in_l2 = (
-        next(row for row in rows if row["impl"] == name)
-        for name in ("cpu", "read_kv_once", "cpu_kv_in_l2")
+        next(row for row in rows if row["impl"] == impl)
+        for impl in (kernel_name, "read_kv_once", f"{kernel_name}_kv_in_l2")
     )
     kernel["kv_read_gb_per_s"] = kernel["kv_bytes"] / kernel["median_ms"] / 1e6
     kernel["stream_read_gb_per_s"] = read_once["kv_bytes"] / read_once["median_ms"] / 1e6
@@ -184,22 +212,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(
         f"decode step: {args.batch} requests x {args.context} context, heads {args.num_heads}/"
         f"{args.num_kv_heads}, head_dim {args.head_dim}, block {args.block_size}, "
-        f"{torch.get_num_threads()} threads, median of {args.repeats}"
+        f"on {args.device} with {torch.get_num_threads()} CPU threads, median of {args.repeats}"
     )
     print(
         f"{'impl':<16} {'dtype':<9} {'kv cache':<9} {'median ms':>10} {'min ms':>8} {'cpu-time ms':>12} "
-        f"{'cpu kernel x faster (wall, cpu-time)':>38}"
+        f"{'paged kernel x faster (wall, cpu-time)':>40}"
     )
     for row in rows:
         print(
             f"{row['impl']:<16} {row['dtype']:<9} {row['kv_cache_dtype']:<9} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f} "
-            f"{row['median_cpu_time_ms']:>12.2f} {row['cpu_speedup']:>25.2f} "
-            f"{row['cpu_speedup_by_cpu_time']:>12.2f}"
+            f"{row['median_cpu_time_ms']:>12.2f} {row['kernel_speedup']:>27.2f} "
+            f"{row['kernel_speedup_by_cpu_time']:>12.2f}"
         )
     for row in rows:
-        if row["impl"] == "cpu":
+        if "fraction_of_read_roofline" in row:
             print(
-                f"cpu kernel, {row['dtype']} / {row['kv_cache_dtype']} cache: reads "
+                f"{row['impl']} kernel, {row['dtype']} / {row['kv_cache_dtype']} cache: reads "
                 f"{row['kv_bytes'] / 1e6:.0f} MB of K/V at {row['kv_read_gb_per_s']:.1f} GB/s = "
                 f"{row['fraction_of_read_roofline']:.0%} of a plain read pass "
                 f"({row['stream_read_gb_per_s']:.1f} GB/s); with K/V in L2 it takes "
