@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 256
 MAX_N = 16
@@ -91,4 +92,6 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float32 to inf and the softmax to NaN; such a
+        # temperature means greedy anyway (vLLM uses the same threshold).
+        return self.temperature < GREEDY_TEMPERATURE

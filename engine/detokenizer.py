@@ -39,24 +39,30 @@ class IncrementalDetokenizer:
         """Feed new tokens; returns (text safe to emit now, whether a stop string matched)."""
         self._token_ids.extend(token_ids)
         self._pending += self._decode_new()
-        if self._stop:
-            hit = min(((i, s) for s in self._stop if (i := self._pending.find(s)) >= 0), default=None)
-            if hit is not None:
-                index, stop = hit
-                emitted = self._pending[: index + (len(stop) if self._include_stop else 0)]
-                self._pending = ""
-                self.text += emitted
-                return emitted, True
+        emitted, hit = self._cut_at_stop(self._pending)
+        if hit:
+            self._pending = ""
+            self.text += emitted
+            return emitted, True
         cut = max(0, len(self._pending) - self._hold)
         emitted, self._pending = self._pending[:cut], self._pending[cut:]
         self.text += emitted
         return emitted, False
 
-    def flush(self) -> str:
-        """At the end: emit whatever is held back, including a trailing partial character."""
+    def flush(self) -> tuple[str, bool]:
+        """At the end: emit whatever is held back, including a trailing partial character, cut
+        at a stop string that only this held-back text completes. Returns (text, stop hit)."""
         tail = self._decode(self._token_ids[self._prefix_offset :])
         prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
-        emitted = self._pending + tail[len(prefix_text) :]
+        emitted, hit = self._cut_at_stop(self._pending + tail[len(prefix_text) :])
         self._pending = ""
         self.text += emitted
-        return emitted
+        return emitted, hit
+
+    def _cut_at_stop(self, text: str) -> tuple[str, bool]:
+        """`text` up to the earliest stop string (included if asked), and whether one was found."""
+        hit = min(((i, s) for s in self._stop if (i := text.find(s)) >= 0), default=None)
+        if hit is None:
+            return text, False
+        index, stop = hit
+        return text[: index + (len(stop) if self._include_stop else 0)], True

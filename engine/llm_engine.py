@@ -81,6 +81,9 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if any(t >= self.vocab_size for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be < {self.vocab_size}", "logit_bias")
+        # They index the logits (banned while min_tokens is unmet): out of range would fail a step.
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be < {self.vocab_size}", "stop_token_ids")
         num_prompt = len(prompt_token_ids)
         if num_prompt + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
@@ -95,14 +98,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Validate and queue; raises InvalidRequestError before queueing anything."""
-        if request_id in self._groups:
+        sequence_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        # Choice ids of an n > 1 request ("a#1") may equal another request's id: checked up front,
+        # so that no choice is ever queued without its group.
+        if request_id in self._groups or any(sid in self._choices for sid in sequence_ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         self.validate_request(prompt_token_ids, params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         eos, extra_stop_ids = self._eos_for(params)
         if extra_stop_ids:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra_stop_ids)
-        sequence_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         for index, sequence_id in enumerate(sequence_ids):
             request = Request(
                 sequence_id, list(prompt_token_ids), params, eos_token_id=eos, arrival_time=arrival_time,
@@ -198,7 +203,11 @@ class LLMEngine:
             return RequestDelta(choice.request_id, choice.index, tuple(new_token_ids), text, logprobs,
                                 request.num_prompt_tokens, request.num_output_tokens)
         if not stop_string_hit:
-            text += choice.detokenizer.flush()
+            tail, stop_string_hit = choice.detokenizer.flush()
+            text += tail
+        if stop_string_hit and status == RequestStatus.FINISHED_LENGTH:
+            # The stop string completed on the last allowed token: it ended the text, so "stop".
+            request.status = RequestStatus.FINISHED_STOPPED
         return self._final_delta(request, tuple(new_token_ids), text, logprobs=logprobs)
 
     def _final_delta(self, request: Request, new_token_ids: tuple[int, ...], text: str,

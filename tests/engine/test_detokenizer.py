@@ -23,7 +23,8 @@ def _stream(tokenizer, text: str, stop: tuple[str, ...] = (), include_stop: bool
         deltas.append(delta)
         if hit:
             return deltas, True, ""
-    return deltas, False, detokenizer.flush()
+    tail, hit = detokenizer.flush()
+    return deltas, hit, tail
 
 
 def test_multibyte_tokens_really_split_characters(default_tokenizer):
@@ -76,3 +77,28 @@ def test_partial_stop_string_is_released_once_it_cannot_match(default_tokenizer)
     deltas, hit, tail = _stream(default_tokenizer, "a EN then E and EN done", ("END",))
     assert not hit
     assert "".join(deltas) + tail == "a EN then E and EN done"
+
+
+class PieceTokenizer:
+    """Token i decodes to PIECES[i] (bytes), so a token can end inside a UTF-8 character."""
+
+    PIECES = {1: b"x", 2: b"E", 3: b"N", 4: b"D\xc3", 5: b"\xa9", 6: b"!", 7: b"D"}
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(self.PIECES[t] for t in token_ids).decode("utf-8", errors="replace")
+
+
+def test_a_stop_string_completed_by_a_token_ending_mid_character_is_cut_at_the_end():
+    # "D\xc3" completes "END" but its text is held back as a partial character; the request then
+    # ends before the character's second byte: flush() must still cut at the stop string.
+    detokenizer = IncrementalDetokenizer(PieceTokenizer(), [6], stop=("END",))
+    deltas = [detokenizer.add([token])[0] for token in (1, 2, 3, 4)]
+    tail, hit = detokenizer.flush()
+    assert "".join(deltas) + tail == "x" and hit
+
+
+def test_flush_without_a_stop_string_emits_the_partial_character():
+    detokenizer = IncrementalDetokenizer(PieceTokenizer(), [6], stop=("END",))
+    deltas = [detokenizer.add([token])[0] for token in (1, 2, 4)]
+    tail, hit = detokenizer.flush()
+    assert "".join(deltas) + tail == "xED\ufffd" and not hit

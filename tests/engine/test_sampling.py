@@ -55,6 +55,14 @@ def test_low_temperature_sampling_is_effectively_greedy():
     assert set(draws) == {1}
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 5e-324])
+def test_a_vanishing_temperature_is_greedy_not_nan(temperature):
+    # logits / 1e-40 overflows float32: sampling from it would draw from NaN probabilities.
+    params = SamplingParams(temperature=temperature)
+    assert params.is_greedy
+    assert set(_draw_many([1.0, 1.5, 0.5], params, num_draws=20)) == {1}
+
+
 def test_top_k_samples_only_the_k_most_likely_tokens():
     draws = _draw_many([1.0, 1.2, 1.1, 0.9, 1.05], SamplingParams(temperature=1.0, top_k=2))
     assert set(draws) == {1, 2}

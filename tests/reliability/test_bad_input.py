@@ -229,6 +229,8 @@ CASES: list[Case] = [
          completion(prompt=[[1, 2], [3, 10**9]]), param="prompt"),
     Case("logit_bias_id_out_of_vocab", CHAT, chat(logit_bias={str(VOCAB_SIZE): 1}),
          param="logit_bias"),
+    Case("stop_token_id_out_of_vocab_with_min_tokens", COMPLETIONS,
+         completion(stop_token_ids=[VOCAB_SIZE], min_tokens=1), param="stop_token_ids"),
     Case("detokenize_id_out_of_vocab", DETOKENIZE, j(tokens=[10**9]), param="tokens"),
     Case("detokenize_id_negative", DETOKENIZE, j(tokens=[-5]), param="tokens"),
     Case("detokenize_tokens_string", DETOKENIZE, j(tokens="abc"), param="tokens"),
