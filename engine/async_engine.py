@@ -34,6 +34,9 @@ class AsyncEngine:
         self.engine: LLMEngine | None = None
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, asyncio.Queue[RequestDelta | Exception]] = {}
+        # Ids of streams closed early whose abort the engine thread has not processed yet: reusing
+        # one before then would hand the new stream the old request's last deltas.
+        self._closing: set[str] = set()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
@@ -56,6 +59,10 @@ class AsyncEngine:
     @property
     def vocab_size(self) -> int:
         return self._engine.vocab_size
+
+    @property
+    def max_waiting_requests(self) -> int:
+        return self.config.scheduler.max_waiting_requests
 
     @property
     def tokenizer(self) -> Any:
@@ -92,12 +99,12 @@ class AsyncEngine:
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestDelta]:
-        if not self.is_alive:
+        if not self.is_alive or self._stopping.is_set():
             raise EngineDeadError(self._dead_reason or "the engine is not running")
         self._engine.validate_request(prompt_token_ids, params)  # raises before anything is queued
-        if len(self._streams) >= self.config.scheduler.max_waiting_requests:
+        if len(self._streams) >= self.max_waiting_requests:
             raise EngineOverloadedError(f"{len(self._streams)} requests are in flight; retry later")
-        if request_id in self._streams:
+        if request_id in self._streams or request_id in self._closing:
             raise EngineOverloadedError(f"request id {request_id!r} is already in flight")
         stream: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
@@ -113,7 +120,8 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if num_finished < params.n:  # closed early: client gone, cancelled, or failed
-                self._commands.put(("abort", request_id))
+                self._closing.add(request_id)
+                self._commands.put(("close", request_id))
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -143,6 +151,9 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self._dead_reason = f"engine loop died: {type(error).__name__}"
             self._call_in_loop(self._fail_all, EngineDeadError(self._dead_reason))
+            return
+        # Shut down. A request whose "add" raced the stop never reached the engine: end its stream.
+        self._call_in_loop(self._fail_all, EngineDeadError("the engine has shut down"))
 
     def _apply_commands(self, block: bool) -> list[RequestDelta]:
         deltas: list[RequestDelta] = []
@@ -169,6 +180,9 @@ class AsyncEngine:
             return []
         if command == "abort":
             return engine.abort_request(payload)
+        if command == "close":  # nobody reads its deltas any more; after the abort, free the id
+            engine.abort_request(payload)
+            self._call_in_loop(self._closing.discard, payload)
         return []
 
     def _send_error(self, request_id: str, error: Exception) -> None:

@@ -13,6 +13,7 @@ class EngineClient(Protocol):
     model_name: str  # the served model name
     max_model_len: int
     vocab_size: int
+    max_waiting_requests: int  # engine requests (prompts) in flight at once; more get a 429
     tokenizer: Any  # a transformers tokenizer: encode/decode/apply_chat_template
 
     @property

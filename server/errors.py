@@ -46,7 +46,10 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, dict[str, str | None]]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+        # Messages quote client input, which may hold lone surrogates ("\ud800" in JSON) that
+        # cannot be encoded as UTF-8: they are shown escaped rather than failing the response.
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
     def response(self) -> JSONResponse:

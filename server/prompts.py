@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
+
 from engine.client import EngineClient
 from server.errors import invalid_request, model_not_found
 from server.protocol import ChatMessage
@@ -54,6 +56,10 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]],
         items = [items]  # a single prompt given as token ids
     if not items:
         raise invalid_request("The prompt must not be empty.", "prompt")
+    if len(items) > engine.max_waiting_requests:  # each prompt is one engine request
+        raise invalid_request(
+            f"At most {engine.max_waiting_requests} prompts fit in one request (the server's "
+            f"max_waiting_requests); got {len(items)}.", "prompt")
     prompts = []
     for item in items:
         if not item:
@@ -72,7 +78,8 @@ def chat_prompt(messages: list[ChatMessage], engine: EngineClient) -> Prompt:
     try:
         text = engine.tokenizer.apply_chat_template(
             conversation, add_generation_prompt=True, tokenize=False)
-    except ValueError as exc:  # no template, or the template rejects the conversation
+    except (ValueError, TemplateError) as exc:  # no template, or it rejects the conversation
+        # (templates refuse e.g. a system role or turns that do not alternate by raising)
         raise invalid_request(f"Cannot apply the chat template: {exc}", "messages") from exc
     # The template already contains the special tokens (BOS...), so the tokenizer adds none.
     return Prompt(encode_text(engine, text, "messages", add_special_tokens=False), text)
@@ -103,7 +110,9 @@ def parse_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> di
     """OpenAI sends token ids as JSON object keys (strings)."""
     parsed = {}
     for key, bias in (logit_bias or {}).items():
-        if not key.isdigit():
+        # ASCII digits only: str.isdigit() also accepts "²" or "٣", which int() rejects or reads
+        # as another number; and a bounded length, as Python refuses to parse huge integers.
+        if not (key.isascii() and key.isdigit() and len(key) <= 18):
             raise invalid_request(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias")
         parsed[int(key)] = bias
     check_token_ids(list(parsed), vocab_size, "logit_bias")

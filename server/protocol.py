@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from configs import SamplingParams
 
@@ -18,6 +18,19 @@ from configs import SamplingParams
 class _Request(BaseModel):
     # extra="ignore": see the module docstring; strict: no type coercion.
     model_config = ConfigDict(extra="ignore", strict=True, protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's schema makes optional fields nullable (`"stream": null`, `"echo": null`...):
+        null asks for the default. A required field stays required, null or not."""
+        if not isinstance(data, dict):
+            return data
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in cls.model_fields or cls.model_fields[key].is_required()
+        }
 
 
 class StreamOptions(_Request):

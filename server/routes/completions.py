@@ -59,7 +59,9 @@ class _ChoiceText:
         for entry in new_logprobs:
             token = self.tokenizer.decode([entry.token_id])
             top = {self.tokenizer.decode([token_id]): value for token_id, value in entry.top_logprobs}
-            top.setdefault(token, entry.logprob)  # the chosen token is always listed
+            # The chosen token is always listed, with its own value even when another token of
+            # the top list decodes to the same text (the legacy format keys them by text).
+            top[token] = entry.logprob
             logprobs.tokens.append(token)
             logprobs.token_logprobs.append(entry.logprob)
             logprobs.top_logprobs.append(top)

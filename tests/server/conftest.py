@@ -42,6 +42,7 @@ class FakeEngine:
     model_name = "fake-model"
     max_model_len = 64
     vocab_size = 258
+    max_waiting_requests = 8
 
     def __init__(self) -> None:
         self.tokenizer = ByteTokenizer()

@@ -35,6 +35,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u0663": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": ["a"] * 9}, 400, "prompt"),  # the fake queues 8 at most
+    ("/v1/completions", b'{"prompt": "hi", "model": "\\ud800"}', 404, "model"),  # lone surrogate
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),

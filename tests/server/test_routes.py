@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from jinja2 import TemplateError
+
 
 def test_completion_returns_choices_usage_and_openai_fields(client):
     response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "n": 2})
@@ -63,6 +65,31 @@ def test_unknown_fields_are_ignored_like_openai(client):
     response = client.post("/v1/completions",
                            json={"prompt": "hi", "max_tokens": 1, "future_field": {"x": 1}})
     assert response.status_code == 200
+
+
+def test_null_optional_fields_mean_their_defaults_like_openai(client):
+    response = client.post("/v1/completions", json={
+        "prompt": "hi", "max_tokens": 1, "stream": None, "echo": None, "min_tokens": None,
+        "ignore_eos": None, "stream_options": None, "logprobs": None})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == "a"  # not echoed, not streamed
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi", "name": None}], "max_tokens": 1,
+        "logprobs": None, "stream": None})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["logprobs"] is None
+
+
+def test_a_chat_template_that_rejects_the_conversation_is_a_400(client, engine, monkeypatch):
+    def strict_template(conversation, add_generation_prompt, tokenize):
+        raise TemplateError("Conversation roles must alternate user/assistant/user/assistant")
+
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", strict_template)
+    response = client.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "must alternate" in error["message"]
 
 
 def test_chat_applies_the_template_and_defaults_to_the_remaining_context(client, engine):

@@ -1,0 +1,75 @@
+"""AsyncEngine's bridge between the engine thread and asyncio, on a tiny random model: a request
+id reused right after its stream was closed early never receives the old request's deltas, and a
+request that arrives while the engine shuts down is refused instead of waiting forever."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from configs import EngineConfig, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.errors import EngineDeadError, EngineOverloadedError
+from tests.engine.conftest import make_engine, make_tiny_model
+
+PROMPT = [17, 300, 42, 999, 8, 64, 7]
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(default_tokenizer):
+    return make_tiny_model("llama-gqa", default_tokenizer, seed=1)
+
+
+def started_engine(tiny_loaded, step_delay_s: float = 0.0) -> AsyncEngine:
+    engine = make_engine(tiny_loaded, block_size=4)
+    if step_delay_s:
+        step = engine.step
+
+        def slow_step():  # keeps a long request running while the test acts
+            time.sleep(step_delay_s)
+            return step()
+
+        engine.step = slow_step  # type: ignore[method-assign]
+    async_engine = AsyncEngine(EngineConfig())
+    async_engine.engine = engine  # start() loads a model only when none is given
+    return async_engine
+
+
+def test_a_request_id_reused_after_an_early_close_gets_only_its_own_deltas(tiny_loaded):
+    async def scenario() -> list:
+        engine = started_engine(tiny_loaded, step_delay_s=0.01)
+        await engine.start()
+        old = engine.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "x")
+        await anext(old)
+        await old.aclose()  # the client went away: "x" is aborted by the engine thread
+        while True:  # the id is refused until that abort has been processed
+            new = engine.generate(PROMPT[:3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "x")
+            try:
+                deltas = [await anext(new)]
+                break
+            except EngineOverloadedError:
+                await asyncio.sleep(0.005)
+        deltas += [delta async for delta in new]
+        await engine.shutdown()
+        return deltas
+
+    deltas = asyncio.run(scenario())
+    assert sum(len(delta.new_token_ids) for delta in deltas) == 3
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert deltas[-1].num_output_tokens == 3
+
+
+def test_a_request_arriving_during_shutdown_is_refused_not_left_waiting(tiny_loaded):
+    async def scenario() -> None:
+        engine = started_engine(tiny_loaded)
+        await engine.start()
+        shutdown = asyncio.create_task(engine.shutdown())
+        await asyncio.sleep(0)  # shutdown() has told the thread to stop
+        late = engine.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0), "late")
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(anext(late), timeout=5)
+        await shutdown
+
+    asyncio.run(scenario())
