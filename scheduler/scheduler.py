@@ -7,7 +7,8 @@ Each step, in this order, and why:
 2. Running requests first, oldest (or most important) first: each gets its remaining tokens
    (1 for a decode, the next chunk for a prompt) within the step's token budget, and its block
    table grows by exactly the blocks those tokens need. Running work goes first so that decodes
-   never stall behind a long prompt; a long prompt is split into chunks (chunked prefill).
+   never stall behind a long prompt; a long prompt is split into chunks (chunked prefill), and a
+   chunk leaves one token of the budget for every decode behind it in the running order.
 3. When a table cannot grow (the pool is dry), the lowest-priority, latest-arrived running
    request that is not yet scheduled is preempted (recompute: its blocks are released, its
    progress reset to 0, its generated tokens kept) and the allocation is retried. If the failing
@@ -139,6 +140,10 @@ class Scheduler:
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new_tokens > 1:  # a prompt chunk leaves one token for each decode behind it
+                decodes_behind = sum(r.num_tokens - r.num_computed_tokens == 1
+                                     for r in self.running[index + 1:])
+                num_new_tokens = max(1, min(num_new_tokens, token_budget - decodes_behind))
             if self._reserve_or_preempt(request, num_new_tokens, preempted):
                 scheduled.append(self._plan(request, num_new_tokens))
                 token_budget -= num_new_tokens
@@ -232,7 +237,9 @@ class Scheduler:
             else:  # parent preempted or gone: serve this choice on its own (the prefix cache helps)
                 self.fork_waiting.remove(child)
                 child.parent_request_id = None
-                self.waiting.appendleft(child)
+                # In serve order like any request (it keeps its parent's arrival and priority).
+                keys = [self._order_key(r) for r in self.waiting]
+                self.waiting.insert(bisect.bisect_left(keys, self._order_key(child)), child)
 
     def _plan(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens

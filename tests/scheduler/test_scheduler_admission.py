@@ -171,6 +171,30 @@ def test_long_prompt_is_prefilled_in_chunks_while_other_requests_keep_decoding()
     assert log.finished["long"].output_token_ids == expected_output_token_ids(long_prompt)
 
 
+def test_a_prompt_sorted_ahead_of_running_decodes_leaves_each_of_them_a_token():
+    # A more important prompt arrives while four requests decode: it sorts ahead of them in
+    # `running` (so would a recomputing preempted request under FCFS), and its chunks must not
+    # take the whole budget.
+    budget = 16
+    scheduler = make_scheduler(num_blocks=64, block_size=4, scheduling_policy="priority",
+                               max_num_batched_tokens=budget, max_model_len=256)
+    runner = FakeModelRunner(scheduler)
+    decodes = [make_request(f"d{i}", 4, max_tokens=40, priority=5, ignore_eos=True) for i in range(4)]
+    for request in decodes:
+        scheduler.add_request(request)
+    for _ in range(2):
+        step(scheduler, runner)
+    important = make_request("important", 120, max_tokens=2, priority=0, ignore_eos=True)
+    scheduler.add_request(important)
+    chunks = []
+    while important.num_computed_tokens < important.num_prompt_tokens:
+        by_id = {s.request_id: s.num_new_tokens for s in step(scheduler, runner).requests}
+        assert [by_id.get(d.request_id) for d in decodes] == [1] * 4, by_id
+        chunks.append(by_id["important"])
+    assert chunks == [12] * 10  # 120 prompt tokens, 16 - 4 per step
+    run_to_completion(scheduler, runner)
+
+
 # ---- preemption --------------------------------------------------------------------------------
 
 

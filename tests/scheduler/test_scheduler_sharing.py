@@ -77,6 +77,26 @@ def test_fork_child_whose_parent_is_aborted_first_completes_on_its_own(num_steps
     assert log.finished["p#1"].output_token_ids == expected_output_token_ids(child)
 
 
+def test_an_orphaned_child_waits_in_priority_order_behind_a_more_important_request():
+    scheduler = make_scheduler(num_blocks=8, block_size=4, scheduling_policy="priority",
+                               max_num_batched_tokens=64)
+    runner = FakeModelRunner(scheduler)
+    scheduler.add_request(make_request("blocker", 16, max_tokens=4, ignore_eos=True))
+    step(scheduler, runner)
+    low = make_request("low", 12, max_tokens=1, priority=9, ignore_eos=True)
+    scheduler.add_request(low)
+    scheduler.add_request(make_request("low#1", prompt_token_ids=low.prompt_token_ids,
+                                       parent_request_id="low", max_tokens=1, priority=9,
+                                       ignore_eos=True))
+    step(scheduler, runner)  # "low" prefills and finishes (max_tokens=1): its child is orphaned
+    assert low.status == RequestStatus.FINISHED_LENGTH
+    scheduler.add_request(make_request("high", 12, max_tokens=2, priority=0, ignore_eos=True))
+    step(scheduler, runner)
+    assert [request.request_id for request in scheduler.waiting] == ["low#1"]
+    assert scheduler.requests["high"].status == RequestStatus.RUNNING
+    run_to_completion(scheduler, runner)
+
+
 def test_child_forked_after_the_parent_decoded_past_a_block_never_poisons_the_prefix_cache():
     # max_num_seqs=2 holds the child back until `x` finishes; by then the parent has decoded a
     # full block (positions 8..11). The child inherits that block's hash, so its own block at
