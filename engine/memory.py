@@ -27,7 +27,11 @@ def resolve_device(device: str) -> torch.device:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, torch_dtype in TORCH_DTYPES.items() if torch_dtype == dtype)
+    for name, torch_dtype in TORCH_DTYPES.items():
+        if torch_dtype == dtype:
+            return name
+    raise ValueError(f"the model's weights are {dtype}; pass --kv-cache-dtype (one of "
+                     f"{', '.join(TORCH_DTYPES)}, fp8) for the KV cache")
 
 
 def make_cache_spec(

@@ -45,6 +45,9 @@ def paged_attention_forward(
     """Store this step's K/V at their slots, then attend over each request's paged history."""
     if paged_context is None:
         raise RuntimeError("pagedserve attention called without paged_context (use ModelRunner)")
+    for name in _UNSUPPORTED_ATTENTION_KWARGS:  # silently dropping them would change the logits
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"the paged attention backends do not implement {name!r}")
     layer_idx = module.layer_idx
     key_cache, value_cache = paged_context.key_caches[layer_idx], paged_context.value_caches[layer_idx]
     meta, backend = paged_context.meta, paged_context.backend
@@ -56,6 +59,36 @@ def paged_attention_forward(
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+# Attention features some families pass that the backends do not implement: logit soft-capping
+# (Gemma 2) and attention sinks (GPT-OSS).
+_UNSUPPORTED_ATTENTION_KWARGS = ("softcap", "s_aux")
+# Rotary variants that pick their scaling from the largest position in the whole flattened batch:
+# one long request would change the encoding of every short one batched with it.
+_BATCH_DEPENDENT_ROPE = ("longrope", "dynamic")
+
+
+def check_paged_attention_support(model: torch.nn.Module) -> None:
+    """Refuse, at load, a model whose attention would bypass or mis-serve the paged cache.
+
+    Raises:
+        ValueError: naming the model class and why.
+    """
+    name = type(model).__name__
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        # transformers keeps eager/sdpa, with only a warning, for classes that do not route
+        # attention through AttentionInterface: each step would then attend over its own tokens
+        # only, across requests, with no history.
+        raise ValueError(f"{name} does not route attention through transformers' "
+                         "AttentionInterface, so it cannot read the paged KV cache")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"{name} soft-caps attention logits, which the paged kernels do not implement")
+    for rope in (getattr(config, "rope_scaling", None), getattr(config, "rope_parameters", None)):
+        rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+        if rope_type in _BATCH_DEPENDENT_ROPE:
+            raise ValueError(f"{name} uses {rope_type!r} RoPE scaling, which depends on the longest "
+                             "sequence in a batch and would mix requests; it is not supported")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +108,7 @@ class ModelRunner:
         self.backend = backend
         self.device = cache_engine.device
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        check_paged_attention_support(model)
 
     def prepare(self, plan: SchedulerOutput) -> PreparedBatch:
         input_ids: list[int] = []

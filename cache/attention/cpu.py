@@ -69,7 +69,12 @@ def load_cpu_kernel() -> ModuleType:
         digest.update(part)
     key = digest.hexdigest()[:12]
     build_dir = kernel_cache_dir() / f"paged_attention_{key}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        flock = open(build_dir / "pagedserve.flock", "w")  # noqa: SIM115 - closed by the with below
+    except OSError as error:  # e.g. a cache directory owned by another user
+        raise RuntimeError(f"cannot use the kernel cache {build_dir} ({error}); point "
+                           "$PAGEDSERVE_CACHE at a writable directory") from error
     if not (build_dir / f"pagedserve_paged_attention_{key}.so").exists():
         logger.info(
             "building the CPU attention kernel in %s (first use, about a minute)", build_dir
@@ -77,7 +82,7 @@ def load_cpu_kernel() -> ModuleType:
     # torch's own build lock is a plain file that a killed builder leaves behind, after which every
     # later start waits forever. An flock dies with its holder: whoever holds it is the only
     # builder alive, so a torch lock file found then is stale and is removed.
-    with open(build_dir / "pagedserve.flock", "w") as flock:
+    with flock:
         fcntl.flock(flock, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
         try:
