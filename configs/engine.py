@@ -54,10 +54,13 @@ class CacheConfig(_Section):
         "auto", description="KV cache storage dtype (auto: the model's; fp8 = fp8_e4m3, saturating at +-448)"
     )
 
-    @field_validator("kv_cache_memory")
+    @field_validator("kv_cache_memory", mode="before")
     @classmethod
-    def _valid_size(cls, value: str) -> str:
-        parse_bytes(value)
+    def _valid_size(cls, value: object) -> object:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # a plain byte count, as YAML or LLM(kv_cache_memory=2**30) give it
+        if isinstance(value, str):
+            parse_bytes(value)
         return value
 
 
@@ -77,6 +80,12 @@ class ServerConfig(_Section):
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
     max_request_body_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request body")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+    @field_validator("api_key")
+    @classmethod
+    def _empty_key_is_no_key(cls, value: str | None) -> str | None:
+        # PAGEDSERVE_API_KEY="" would otherwise require the header "Bearer " that no client sends.
+        return value if value and value.strip() else None
 
 
 class EngineConfig(_Section):

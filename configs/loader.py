@@ -19,7 +19,13 @@ def _read_file(path: str | Path) -> dict[str, dict[str, Any]]:
     candidate = Path(path)
     if not candidate.exists() and (PRESETS_DIR / f"{path}.yaml").exists():
         candidate = PRESETS_DIR / f"{path}.yaml"  # `--config cpu-small` names a shipped preset
-    data = yaml.safe_load(candidate.read_text()) or {}
+    try:
+        data = yaml.safe_load(candidate.read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or type(error).__name__
+        raise ValueError(f"{candidate}: not valid YAML: {problem}{where}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{candidate}: expected a mapping of sections, got {type(data).__name__}")
     nested: dict[str, dict[str, Any]] = {}

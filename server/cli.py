@@ -19,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import uvicorn
+from pydantic import ValidationError
 
-from configs import EngineConfig, SamplingParams, load_engine_config
+from configs import EngineConfig, SamplingParams, SamplingParamsError, load_engine_config
 from configs.engine import SECTIONS
 from server.app import begin_shutdown, create_app
 
@@ -114,7 +115,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
         sys.exit(3)  # as uvicorn.run: startup failed (e.g. the model could not be loaded)
 
 
-def _generate(args: argparse.Namespace, config: EngineConfig) -> None:
+def _generate(args: argparse.Namespace, config: EngineConfig, params: SamplingParams) -> None:
     from engine.llm import LLM  # imports torch: only when needed
 
     engine_kwargs = {name: value for section in ENGINE_SECTIONS
@@ -126,7 +127,6 @@ def _generate(args: argparse.Namespace, config: EngineConfig) -> None:
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     (output,) = llm.generate([prompt], params)
     sys.stdout.write(output.outputs[0].text + "\n")
 
@@ -139,11 +139,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(result if isinstance(result, int) else 0)
     try:
         config = config_from_args(args)
-    except (ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
+    except ValidationError as exc:  # one line per run, naming each field
+        parser.error("invalid configuration: " + "; ".join(
+            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
+            for error in exc.errors()))
+    except (ValueError, OSError) as exc:
         parser.error(f"invalid configuration: {exc}")
+    params = None
+    if args.command == "generate":  # checked before the model loads
+        try:
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        except SamplingParamsError as exc:
+            parser.error(str(exc))
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         _serve(args, config)
     else:
-        _generate(args, config)
+        _generate(args, config, params)

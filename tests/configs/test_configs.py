@@ -102,6 +102,19 @@ def test_unknown_env_setting_is_rejected_with_the_variable_name():
         load_engine_config(environ={"PAGEDSERVE_BLOK_SIZE": "8"})
 
 
+def test_an_empty_api_key_means_no_authentication():
+    assert load_engine_config(environ={"PAGEDSERVE_API_KEY": ""}).server.api_key is None
+    assert load_engine_config(environ={"PAGEDSERVE_API_KEY": "k"}).server.api_key == "k"
+
+
+def test_kv_cache_memory_takes_a_plain_byte_count(tmp_path):
+    path = tmp_path / "bytes.yaml"
+    path.write_text("cache:\n  kv_cache_memory: 1073741824\n")
+    assert parse_bytes(load_engine_config(config_file=path, environ={}).cache.kv_cache_memory) == 1 << 30
+    config = load_engine_config(cli={"kv_cache_memory": 1 << 20}, environ={})
+    assert parse_bytes(config.cache.kv_cache_memory) == 1 << 20
+
+
 def test_unknown_cli_flag_is_rejected():
     with pytest.raises(ValueError, match="unknown setting 'blok_size'"):
         load_engine_config(cli={"blok_size": 8}, environ={})

@@ -2,7 +2,7 @@
 
 Opt-in (`--run-docker`, as `make docker-smoke` passes) because a cold build takes minutes. Follows
 CONTAINERS.md: no registry is reachable, so `podman_base_images.sh` makes the base images locally;
-pip reads wheels from a build-time volume (`PAGEDSERVE_WHEELS`, else pip's `PIP_FIND_LINKS` folder).
+pip reads wheels from a build-time volume (`DOCKER_SMOKE_WHEELS`: not a `PAGEDSERVE_*` name, which would be read as a setting; else pip's `PIP_FIND_LINKS` folder).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _podman(env: dict[str, str], *args: str, timeout: float = 60, check: bool = 
 
 
 def _wheels_dir() -> Path | None:
-    for candidate in (os.environ.get("PAGEDSERVE_WHEELS"), os.environ.get("PIP_FIND_LINKS")):
+    for candidate in (os.environ.get("DOCKER_SMOKE_WHEELS"), os.environ.get("PIP_FIND_LINKS")):
         if candidate and Path(candidate).is_dir():
             return Path(candidate)
     return None

@@ -57,9 +57,27 @@ def test_only_given_flags_reach_the_loader():
 
 def test_invalid_setting_exits_with_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--block-size", "0"])
+        main(["serve", "--block-size", "0", "--max-num-seqs", "0"])
     assert exit_info.value.code == 2
-    assert "block_size" in capsys.readouterr().err
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]  # one line naming both fields
+    assert "cache.block_size: " in last_line and "scheduler.max_num_seqs: " in last_line
+
+
+def test_a_yaml_syntax_error_is_a_usage_error_naming_the_line(capsys, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("cache:\n  block_size: [1\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--config", str(config)])
+    assert exit_info.value.code == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_generate_checks_its_sampling_arguments_before_loading_the_model(capsys, monkeypatch):
+    monkeypatch.setattr("server.cli._generate", lambda *args: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hi", "--max-tokens", "0"])
+    assert exit_info.value.code == 2
+    assert "max_tokens" in capsys.readouterr().err
 
 
 def test_bench_rejects_unknown_benchmarks(capsys):
