@@ -43,7 +43,8 @@ class BlockManager:
         self.tables: dict[str, BlockTable] = {}
         self._block_hashes: dict[str, list[int]] = {}  # chained hashes of each table's cached blocks
         self._pending_copies: list[tuple[int, int]] = []
-        self.prefix_cache_queries = 0  # prompt tokens looked up
+        # Every lookup, retries included (the engine reports the scheduler's once-per-request counts)
+        self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # of which found cached
 
     @property

@@ -24,11 +24,13 @@ class EngineClient(Protocol):
     async def shutdown(self) -> None: ...
 
     def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+        priority: int = 0,
     ) -> AsyncIterator[RequestDelta]:
         """Validate and queue the request (raising InvalidRequestError / EngineOverloadedError /
         EngineDeadError before the first yield), then yield deltas for every choice until each is
-        finished. Closing or cancelling the iterator aborts the request and frees its blocks."""
+        finished. Closing or cancelling the iterator aborts the request and frees its blocks.
+        `priority` (lower first) needs the priority scheduling policy; else it must be 0."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -68,6 +68,10 @@ class LLMEngine:
         self.sampler = Sampler(config.model.seed, device)
         self._choices: dict[str, _Choice] = {}  # sequence id -> state
         self._groups: dict[str, list[str]] = {}  # request id -> its sequence ids
+        # request id -> earliest (first scheduled, first token) time over its finished choices: a
+        # forked choice is first scheduled only after its parent's prompt, so the last choice to
+        # finish alone would misstate the request's queue and prefill times.
+        self._group_starts: dict[str, tuple[float | None, float | None]] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
@@ -120,7 +124,6 @@ class LLMEngine:
                                                  params.include_stop_str_in_output)
             self._choices[sequence_id] = _Choice(request_id, index, request, detokenizer, generator)
         self._groups[request_id] = sequence_ids
-        self.num_prompt_tokens += len(prompt_token_ids)
 
     def _eos_for(self, params: SamplingParams) -> tuple[int | None, tuple[int, ...]]:
         if params.ignore_eos or not self.eos_token_ids:
@@ -168,6 +171,9 @@ class LLMEngine:
         )
         self.num_generation_tokens += len(updates)
         for update in updates:
+            request = self._choices[update.request_id].request
+            if request.num_output_tokens == len(update.new_token_ids):  # its first token: the
+                self.num_prompt_tokens += request.num_prompt_tokens    # prompt was prefilled
             deltas.append(self._delta(update.request_id, update.new_token_ids, update.status,
                                       sampled[update.request_id].logprob))
         return deltas
@@ -214,12 +220,17 @@ class LLMEngine:
                      logprobs: tuple[TokenLogprob, ...] | None = None, error: str | None = None) -> RequestDelta:
         choice = self._choices.pop(request.request_id)
         group = self._groups[choice.request_id]
-        is_last = all(sid not in self._choices for sid in group)
+        starts = tuple(
+            min((t for t in (earlier, mine) if t is not None), default=None)
+            for earlier, mine in zip(self._group_starts.get(choice.request_id, (None, None)),
+                                     (request.first_scheduled_time, request.first_token_time),
+                                     strict=True)
+        )
+        self._group_starts[choice.request_id] = starts
         timings = None
-        if is_last:
-            del self._groups[choice.request_id]
-            timings = RequestTimings(request.arrival_time, request.first_scheduled_time,
-                                     request.first_token_time, time.monotonic())
+        if all(sid not in self._choices for sid in group):  # the request's last choice
+            del self._groups[choice.request_id], self._group_starts[choice.request_id]
+            timings = RequestTimings(request.arrival_time, *starts, time.monotonic())
         return RequestDelta(
             choice.request_id, choice.index, new_token_ids, text, logprobs, request.num_prompt_tokens,
             request.num_output_tokens, finished=True, finish_reason=request.status.finish_reason,
@@ -241,8 +252,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
-            prefix_cache_queries=self.block_manager.prefix_cache_queries,
-            prefix_cache_hits=self.block_manager.prefix_cache_hits,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
             num_steps=self.num_steps,
         )
 

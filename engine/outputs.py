@@ -82,7 +82,7 @@ class EngineStats:
     cache_dtype: str = ""  # the KV cache's storage dtype, e.g. "float32" or "fp8_e4m3"
     kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
     num_preemptions: int = 0
-    num_prompt_tokens: int = 0  # prompt tokens computed (prefill work done)
+    num_prompt_tokens: int = 0  # prompt tokens prefilled: each choice's, counted at its first token
     num_generation_tokens: int = 0
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found

@@ -57,6 +57,10 @@ class Scheduler:
         self.running: list[Request] = []  # kept sorted by _order_key: most important first
         self.fork_waiting: list[Request] = []  # n > 1 children waiting for their parent's prompt
         self.num_preemptions = 0
+        # Prompt tokens of admitted requests looked up in / found in the prefix cache, once per
+        # request: not again for each step a blocked admission retries, nor after a preemption.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # ---- admission and removal -------------------------------------------------------------
 
@@ -202,8 +206,11 @@ class Scheduler:
             return False
         self.waiting.popleft()
         request.num_computed_tokens = num_cached
-        if request.num_cached_tokens < 0:
+        if request.num_cached_tokens < 0:  # its first admission
             request.num_cached_tokens = num_cached
+            if block_manager.pool.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_cached
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         request.status = RequestStatus.RUNNING

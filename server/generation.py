@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from configs import SamplingParams
+from configs import SamplingParams, SamplingParamsError
 from engine.client import EngineClient
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.outputs import RequestDelta
 from server.errors import (
     APIError,
@@ -25,12 +26,15 @@ from server.streams import merge_streams, prepend, until_stopped
 logger = logging.getLogger(__name__)
 
 Item = tuple[int, RequestDelta]  # (prompt index, delta)
+# What the engine raises when it refuses a request before running any of it.
+_REFUSALS = (InvalidRequestError, SamplingParamsError, EngineOverloadedError, EngineDeadError)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineInput:
     token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
 
 
 def engine_request_id(request_id: str, prompt_idx: int) -> str:
@@ -38,14 +42,20 @@ def engine_request_id(request_id: str, prompt_idx: int) -> str:
 
 
 async def _recorded(stream: AsyncIterator[Item], recorder: RequestRecorder) -> AsyncIterator[Item]:
-    unfinished_reason = "abort"  # also when the consumer stops early (its client went away)
+    # "abort" also when the consumer stops early (its client went away); None: never accepted.
+    unfinished_reason: str | None = "abort"
+    accepted = False
     try:
         async for prompt_idx, delta in stream:
+            accepted = True
             recorder.observe(prompt_idx, delta)
             yield prompt_idx, delta
     except (ClientDisconnectedError, ServerShuttingDownError):
         raise
     except Exception as exc:
+        if not accepted and isinstance(exc, _REFUSALS):
+            unfinished_reason = None  # 400/429/503 before anything ran: no finished request
+            raise
         unfinished_reason = "error"
         if to_api_error(exc).status_code >= 500 and not isinstance(exc, APIError):
             logger.error("request %s failed", recorder.request_id, exc_info=exc)
@@ -60,7 +70,8 @@ async def start_generation(request: Request, inputs: list[EngineInput],
     (invalid, overloaded, dead) still become HTTP errors; then return the whole stream."""
     engine: EngineClient = request.app.state.engine
     request_id = recorder.request_id
-    streams = [engine.generate(item.token_ids, item.params, engine_request_id(request_id, index))
+    streams = [engine.generate(item.token_ids, item.params, engine_request_id(request_id, index),
+                               item.priority)
                for index, item in enumerate(inputs)]
 
     async def abort_all() -> None:

@@ -61,6 +61,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    priority: int = 0  # with --scheduling-policy priority: lower is served first (as vLLM)
 
     @property
     def include_usage(self) -> bool:

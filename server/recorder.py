@@ -1,7 +1,8 @@
 """Per-HTTP-request bookkeeping: token usage, latency metrics per choice, and the one log line.
 
 A choice counts as one request in the metrics, as in vLLM V1 where `n > 1` fans out into n
-requests; so does each prompt of a batched /v1/completions call.
+requests; so does each prompt of a batched /v1/completions call. The engine-side phase times
+(queue, prefill, decode) are the exception: one per prompt, from its earliest-scheduled choice.
 """
 
 from __future__ import annotations
@@ -70,17 +71,18 @@ class RequestRecorder:
         return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
                          total_tokens=num_prompt_tokens + num_completion_tokens)
 
-    def close(self, unfinished_reason: str) -> None:
-        """Count choices that never finished (client gone: "abort"; failure: "error"); log once."""
+    def close(self, unfinished_reason: str | None) -> None:
+        """Count choices that never finished (client gone: "abort"; failure: "error"; None: the
+        engine refused the request, which then counts as no request at all); log once."""
         if self.is_closed:
             return
         self.is_closed = True
         now = time.monotonic()
         for (prompt_idx, _), choice in self.choices.items():
-            if choice.finish_reason is None:
+            if choice.finish_reason is None and unfinished_reason is not None:
                 self._finish(prompt_idx, choice, unfinished_reason, now)
         usage = self.usage()
-        reasons = sorted({choice.finish_reason or "" for choice in self.choices.values()})
+        reasons = sorted({choice.finish_reason or "rejected" for choice in self.choices.values()})
         logger.info("request %s: prompt_tokens=%d completion_tokens=%d finish_reason=%s "
                     "latency=%.3fs", self.request_id, usage.prompt_tokens, usage.completion_tokens,
                     ",".join(reasons), now - self.arrival_time)

@@ -71,7 +71,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                      parse_logit_bias(body.logit_bias, engine.vocab_size))
     recorder = RequestRecorder(request.app.state.metrics, request.state.request_id,
                                request.state.arrival_time, [len(prompt.token_ids)], params.n)
-    stream = await start_generation(request, [EngineInput(prompt.token_ids, params)], recorder)
+    stream = await start_generation(request, [EngineInput(prompt.token_ids, params, body.priority)], recorder)
     header = {"id": f"chatcmpl-{recorder.request_id}", "created": int(time.time()),
               "model": engine.model_name}
     if body.stream:

@@ -79,7 +79,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     logit_bias = parse_logit_bias(body.logit_bias, engine.vocab_size)
     inputs = [EngineInput(prompt.token_ids, body.to_sampling_params(
         resolve_max_tokens(body.max_tokens, DEFAULT_MAX_TOKENS, len(prompt.token_ids),
-                           engine.max_model_len, "prompt"), body.logprobs, logit_bias))
+                           engine.max_model_len, "prompt"), body.logprobs, logit_bias),
+        body.priority)
         for prompt in prompts]
     n = inputs[0].params.n
     recorder = RequestRecorder(request.app.state.metrics, request.state.request_id,

@@ -1,6 +1,7 @@
 """AsyncEngine's bridge between the engine thread and asyncio, on a tiny random model: a request
 id reused right after its stream was closed early never receives the old request's deltas, and a
-request that arrives while the engine shuts down is refused instead of waiting forever."""
+request that arrives while the engine shuts down is refused instead of waiting forever, and a
+request's priority reaches the scheduler (under the priority policy only)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from configs import EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine
-from engine.errors import EngineDeadError, EngineOverloadedError
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from tests.engine.conftest import make_engine, make_tiny_model
 
 PROMPT = [17, 300, 42, 999, 8, 64, 7]
@@ -22,8 +23,8 @@ def tiny_loaded(default_tokenizer):
     return make_tiny_model("llama-gqa", default_tokenizer, seed=1)
 
 
-def started_engine(tiny_loaded, step_delay_s: float = 0.0) -> AsyncEngine:
-    engine = make_engine(tiny_loaded, block_size=4)
+def started_engine(tiny_loaded, step_delay_s: float = 0.0, policy: str = "fcfs") -> AsyncEngine:
+    engine = make_engine(tiny_loaded, block_size=4, scheduling_policy=policy)
     if step_delay_s:
         step = engine.step
 
@@ -32,7 +33,7 @@ def started_engine(tiny_loaded, step_delay_s: float = 0.0) -> AsyncEngine:
             return step()
 
         engine.step = slow_step  # type: ignore[method-assign]
-    async_engine = AsyncEngine(EngineConfig())
+    async_engine = AsyncEngine(EngineConfig(scheduler={"scheduling_policy": policy}))
     async_engine.engine = engine  # start() loads a model only when none is given
     return async_engine
 
@@ -73,3 +74,23 @@ def test_a_request_arriving_during_shutdown_is_refused_not_left_waiting(tiny_loa
         await shutdown
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_priority_reaches_the_scheduler_only_under_the_priority_policy(tiny_loaded, policy):
+    async def scenario() -> int | None:
+        engine = started_engine(tiny_loaded, step_delay_s=0.01, policy=policy)
+        await engine.start()
+        stream = engine.generate(PROMPT, SamplingParams(max_tokens=20, ignore_eos=True), "p", -3)
+        try:
+            await anext(stream)
+            return engine.engine.scheduler.requests["p"].priority
+        finally:
+            await stream.aclose()
+            await engine.shutdown()
+
+    if policy == "fcfs":
+        with pytest.raises(InvalidRequestError, match="scheduling-policy priority"):
+            asyncio.run(scenario())
+    else:
+        assert asyncio.run(scenario()) == -3

@@ -1,11 +1,14 @@
-"""Edge cases of a request's identity and ending, on a tiny random model: choice ids of an n > 1
-request that collide with another request's id are refused before anything is queued, and a stop
-string completed by the last allowed token ends the choice as "stop", not "length"."""
+"""Edge cases of a request's identity, ending and accounting, on a tiny random model: choice ids
+of an n > 1 request that collide with another request's id are refused before anything is queued;
+a stop string completed by the last allowed token ends the choice as "stop", not "length"; an n > 1
+request reports its earliest choice's queue and prefill times; prompt tokens count per choice once
+prefilled, never for a request aborted before its prompt ran."""
 
 from __future__ import annotations
 
 import pytest
 
+from configs import SamplingParams
 from engine.errors import InvalidRequestError
 from tests.engine.conftest import greedy_params, make_engine, make_tiny_model, run_to_completion
 
@@ -45,3 +48,28 @@ def test_a_stop_string_completed_by_the_last_allowed_token_finishes_as_stop(tiny
     assert run.finish_reasons["stopped"] == "stop"
     assert run.texts["stopped"] == free.texts["free"][: len(free.texts["free"]) - len(last_piece)]
 
+
+
+def test_an_n3_request_reports_its_earliest_choice_s_queue_and_prefill_times(tiny_loaded):
+    engine = make_engine(tiny_loaded, block_size=4)
+    engine.add_request("r", PROMPT, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=4,
+                                                  ignore_eos=True))
+    choices = [engine.scheduler.requests[f"r#{index}"] for index in range(3)]
+    timings = []
+    while engine.has_unfinished_requests():
+        timings += [delta.timings for delta in engine.step() if delta.timings is not None]
+    (request_timings,) = timings  # sent once, with the request's last final delta
+    # Forked choices are scheduled after the parent's prompt: the parent's times are the request's.
+    assert request_timings.first_scheduled_time == min(c.first_scheduled_time for c in choices)
+    assert request_timings.first_token_time == min(c.first_token_time for c in choices)
+
+
+def test_prompt_tokens_are_counted_per_choice_once_prefilled_and_not_for_aborted_requests(
+        tiny_loaded):
+    engine = make_engine(tiny_loaded, block_size=4)
+    engine.add_request("pair", PROMPT, SamplingParams(n=2, max_tokens=2, ignore_eos=True))
+    engine.add_request("gone", PROMPT[:3], greedy_params(2))
+    engine.abort_request("gone")  # before its prompt ran
+    assert engine.stats().num_prompt_tokens == 0
+    run_to_completion(engine)
+    assert engine.stats().num_prompt_tokens == 2 * len(PROMPT)

@@ -159,6 +159,20 @@ def test_second_request_with_the_same_prompt_reuses_the_cached_prefix():
     assert log.finished["b"].output_token_ids == log.finished["a"].output_token_ids
 
 
+def test_prefix_cache_statistics_count_each_admitted_request_once():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    runner = FakeModelRunner(scheduler)
+    scheduler.add_request(make_request("hog", 16, max_tokens=4, ignore_eos=True))
+    step(scheduler, runner)
+    blocked = make_request("blocked", 16, max_tokens=2, ignore_eos=True)
+    scheduler.add_request(blocked)
+    step(scheduler, runner)
+    assert blocked.status == RequestStatus.WAITING  # its admission is retried every step
+    run_to_completion(scheduler, runner)
+    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (16 + 16, 0)
+    assert scheduler.block_manager.prefix_cache_queries > 32  # the raw lookups, retries included
+
+
 def test_cached_prefix_outlives_the_request_that_computed_it():
     scheduler = make_scheduler(num_blocks=32, block_size=4)
     runner = FakeModelRunner(scheduler)

@@ -79,7 +79,7 @@ class FakeEngine:
         return ord(letters[step]) if step < len(letters) and not params.ignore_eos else EOS_TOKEN_ID
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestDelta]:
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestDelta]:
         if self.raise_on_generate is not None:
             raise self.raise_on_generate
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:

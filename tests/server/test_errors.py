@@ -41,6 +41,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ["a"] * 9}, 400, "prompt"),  # the fake queues 8 at most
     ("/v1/completions", b'{"prompt": "hi", "model": "\\ud800"}', 404, "model"),  # lone surrogate
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "priority": "high"}, 400, "priority"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.errors import EngineOverloadedError, InvalidRequestError
+
 ENGINE_GAUGES = ["num_requests_running", "num_requests_waiting", "num_requests_swapped",
                  "kv_cache_usage_perc", "num_free_blocks"]
 COUNTERS = ["num_preemptions", "prompt_tokens", "generation_tokens", "prefix_cache_queries",
@@ -60,3 +62,16 @@ def test_request_histograms_and_finish_reasons_are_observed(client):
     assert samples[("pagedserve:request_queue_time_seconds_count", None)] == 2
     assert samples[("pagedserve:request_generation_tokens_sum", None)] == 3 + 3 + 9
     assert samples[("pagedserve:iteration_tokens_total_count", None)] == 2  # drained per scrape
+
+
+def test_requests_the_engine_refuses_are_not_counted_as_finished(client, engine):
+    engine.raise_on_generate = EngineOverloadedError("busy")
+    assert client.post("/v1/completions", json={"prompt": "hi", "n": 2}).status_code == 429
+    engine.raise_on_generate = InvalidRequestError("no", "prompt")
+    assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 400
+    samples = {(s.name, s.labels.get("finished_reason")): s.value
+               for family in _scrape(client).values() for s in family.samples}
+    assert sum(value for (name, _), value in samples.items()
+               if name == "pagedserve:request_success_total") == 0
+    assert samples.get(("pagedserve:e2e_request_latency_seconds_count", None), 0) == 0
+    assert samples.get(("pagedserve:request_prompt_tokens_count", None), 0) == 0
