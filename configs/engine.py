@@ -68,7 +68,8 @@ class SchedulerConfig(_Section):
     max_num_seqs: int = Field(64, ge=1, description="max requests in one step")
     max_num_batched_tokens: int = Field(512, ge=1, description="token budget per step (chunked prefill beyond it)")
     max_waiting_requests: int = Field(1024, ge=1, description="queue length beyond which requests get 429")
-    scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="order of waiting requests")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="order of waiting requests (priority: by each request's 'priority' field, lower first)")
     # Only recompute: a victim's blocks are released and its tokens recomputed (cheap with the
     # prefix cache). Swap-to-host is not implemented; the flag exists so vLLM command lines parse.
     preemption_mode: Literal["recompute"] = Field("recompute", description="what preemption does with a victim's KV")
