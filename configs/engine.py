@@ -34,7 +34,7 @@ class ModelConfig(_Section):
     model: str = Field(DEFAULT_MODEL, description="HF model folder, hub id (offline), or the default model's name")
     served_model_name: str | None = Field(None, description="name reported by /v1/models (default: the model name)")
     tokenizer: str | None = Field(None, description="tokenizer folder or id (default: the model's)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="weights and KV cache dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="weights dtype (also the KV cache's, unless --kv-cache-dtype)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs")
     max_model_len: int | None = Field(None, ge=1, description="max prompt + output tokens (default: min(model limit, 4096))")
     trust_remote_code: bool = Field(False, description="allow model code from the model folder")
@@ -48,8 +48,9 @@ class CacheConfig(_Section):
     num_kv_blocks: int | None = Field(None, ge=1, description="explicit number of KV blocks (overrides the budget)")
     enable_prefix_caching: bool = Field(True, description="reuse cached KV blocks of identical prompt prefixes")
     attention_backend: Literal["auto", "cpu", "triton", "torch"] = Field("auto", description="paged attention kernel")
-    # Storage only: attention always computes in float32. A smaller cache dtype holds more tokens
-    # and, on CPU, where decode attention is bound by reading K/V, runs faster (see RESULTS.md).
+    # Storage only: the CPU kernel computes in float32, Triton in the query's dtype. A smaller cache
+    # dtype holds 2x (16-bit) or 4x (fp8) the tokens; speed barely changes on this CPU, where the
+    # kernel is then compute-bound (benchmarks/RESULTS.md, "Roofline").
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"] = Field(
         "auto", description="KV cache storage dtype (auto: the model's; fp8 = fp8_e4m3, saturating at +-448)"
     )
@@ -67,7 +68,7 @@ class CacheConfig(_Section):
 class SchedulerConfig(_Section):
     max_num_seqs: int = Field(64, ge=1, description="max requests in one step")
     max_num_batched_tokens: int = Field(512, ge=1, description="token budget per step (chunked prefill beyond it)")
-    max_waiting_requests: int = Field(1024, ge=1, description="queue length beyond which requests get 429")
+    max_waiting_requests: int = Field(1024, ge=1, description="requests in flight (waiting or running) beyond which new ones get 429")
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="order of waiting requests (priority: by each request's 'priority' field, lower first)")
     # Only recompute: a victim's blocks are released and its tokens recomputed (cheap with the

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Make the base images the Dockerfile needs when no container registry is reachable (see
-# CONTAINERS.md): localhost/debian:bookworm from debootstrap, then a stand-in tagged
+# Make the base images the Dockerfile needs when no container registry is reachable (podman set up
+# with runtime = "runc" and cgroup_manager = "cgroupfs" where crun cannot run):
+# localhost/debian:bookworm from debootstrap, then a stand-in tagged
 # docker.io/library/python:3.11-slim so an unmodified `FROM python:3.11-slim` resolves locally.
 # Idempotent: an image that already exists is kept. Run as root, with podman and debootstrap.
 set -euo pipefail

@@ -1,8 +1,9 @@
 """Build the image with podman, run it, and check it serves, is healthy, is not root, and stops fast.
 
-Opt-in (`--run-docker`, as `make docker-smoke` passes) because a cold build takes minutes. Follows
-CONTAINERS.md: no registry is reachable, so `podman_base_images.sh` makes the base images locally;
-pip reads wheels from a build-time volume (`DOCKER_SMOKE_WHEELS`: not a `PAGEDSERVE_*` name, which would be read as a setting; else pip's `PIP_FIND_LINKS` folder).
+Opt-in (`--run-docker`, as `make docker-smoke` passes) because a cold build takes minutes. Where
+no registry is reachable, `podman_base_images.sh` makes the base images locally. pip reads wheels
+from a build-time volume: `DOCKER_SMOKE_WHEELS` (not a `PAGEDSERVE_*` name, which would be read as
+a setting), else pip's `PIP_FIND_LINKS` folder.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _wheels_dir() -> Path | None:
 @pytest.fixture(scope="module")
 def podman_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     if shutil.which("podman") is None:
-        pytest.skip("podman is not installed: see CONTAINERS.md (apt-get install podman buildah runc debootstrap)")
+        pytest.skip("podman is not installed (Debian: apt-get install podman buildah runc debootstrap)")
     conf = tmp_path_factory.mktemp("podman") / "containers.conf"
     conf.write_text(CONTAINERS_CONF)
     env = {**os.environ, "CONTAINERS_CONF": str(conf)}
