@@ -155,19 +155,22 @@ class FakeModelRunner:
                     self.kv.pop(dst * size + offset, None)
                 else:
                     self.kv[dst * size + offset] = entry
-        writes, sampled = [], {}
-        for scheduled in plan.requests:  # read the cached prefix first, as attention does
+        # As the real runner: every scheduled token's K/V is stored first (a layer stores the whole
+        # batch, then attends), then each request reads its whole history back through its table,
+        # so a write that lands in another request's history in the same step is caught too.
+        sampled = {}
+        for scheduled in plan.requests:
             start, request = scheduled.start_position, self.scheduler.requests[scheduled.request_id]
-            cached = self.read_digests(scheduled.block_ids, start)
-            expected = prefix_digests(request.all_token_ids[:start])
-            assert cached == expected, f"{request.request_id} reads K/V of another prefix"
-            state = cached[-1] if start else 17
-            for index, token_id in enumerate(scheduled.token_ids):
-                state = _mix(state, token_id)
-                writes.append((scheduled.slot_mapping[index], (start + index, state)))
+            digests = prefix_digests(request.all_token_ids[: scheduled.seq_len])
+            for index, slot in enumerate(scheduled.slot_mapping):
+                self.kv[slot] = (start + index, digests[start + index])
+        for scheduled in plan.requests:
+            request = self.scheduler.requests[scheduled.request_id]
+            history = self.read_digests(scheduled.block_ids, scheduled.seq_len)
+            assert history == prefix_digests(request.all_token_ids[: scheduled.seq_len]), (
+                f"{request.request_id} reads K/V of another prefix")
             if scheduled.needs_sample:
-                sampled[scheduled.request_id] = _sample(state, request.sampling_params.seed or 0)
-        self.kv.update(writes)
+                sampled[scheduled.request_id] = _sample(history[-1], request.sampling_params.seed or 0)
         sampled.update(forced or {})
         return ModelRunnerOutput(sampled)
 

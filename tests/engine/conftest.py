@@ -36,6 +36,10 @@ from scheduler import SchedulerOutput
 
 # A divergence from HF is accepted only where HF's own best two tokens are this close (logprob).
 NEAR_TIE_LOGPROB_GAP = 1e-4
+# Near-tie divergences accepted in one test session, at most: the escape is for a rare float
+# reordering (none in recent CI runs), not a way for many comparisons to stop early.
+MAX_NEAR_TIE_DIVERGENCES = 2
+_near_tie_divergences: list[str] = []
 TINY_VOCAB_SIZE = 1024  # token ids below it decode with the default model's tokenizer
 TINY_MAX_MODEL_LEN = 512
 
@@ -167,6 +171,9 @@ def assert_matches_reference(actual: list[int], reference: Reference, label: str
                 f"{label}: engine diverges from HF at output position {position}: engine {got}, HF {want}, "
                 f"HF top-2 logprob gap {gap:.3g} (not a near-tie)\n engine {actual}\n HF     {reference.token_ids}"
             )
+            _near_tie_divergences.append(f"{label} @ {position}")
+            assert len(_near_tie_divergences) <= MAX_NEAR_TIE_DIVERGENCES, (
+                f"too many near-tie divergences this session: {_near_tie_divergences}")
             warnings.warn(f"{label}: accepted near-tie divergence at position {position} (gap {gap:.2g})",
                           stacklevel=2)
             return position

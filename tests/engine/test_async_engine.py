@@ -45,13 +45,15 @@ def test_a_request_id_reused_after_an_early_close_gets_only_its_own_deltas(tiny_
         old = engine.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "x")
         await anext(old)
         await old.aclose()  # the client went away: "x" is aborted by the engine thread
-        while True:  # the id is refused until that abort has been processed
+        for _ in range(1000):  # the id is refused until that abort has been processed
             new = engine.generate(PROMPT[:3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "x")
             try:
                 deltas = [await anext(new)]
                 break
             except EngineOverloadedError:
                 await asyncio.sleep(0.005)
+        else:
+            pytest.fail("the id stayed refused after its abort")
         deltas += [delta async for delta in new]
         await engine.shutdown()
         return deltas
@@ -94,3 +96,24 @@ def test_a_priority_reaches_the_scheduler_only_under_the_priority_policy(tiny_lo
             asyncio.run(scenario())
     else:
         assert asyncio.run(scenario()) == -3
+
+
+def test_when_the_engine_loop_dies_open_streams_fail_and_the_engine_reports_dead(tiny_loaded):
+    async def scenario() -> None:
+        engine = started_engine(tiny_loaded, step_delay_s=0.01)
+        await engine.start()
+        stream = engine.generate(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True), "victim")
+        await anext(stream)
+
+        def broken_step():
+            raise RuntimeError("injected: the scheduler's state is corrupt")
+
+        engine.engine.step = broken_step  # a failure outside any one request: the loop dies
+        with pytest.raises(EngineDeadError, match="engine loop died"):
+            async for _ in stream:
+                pass
+        assert not engine.is_alive
+        with pytest.raises(EngineDeadError):
+            await anext(engine.generate(PROMPT, SamplingParams(max_tokens=2), "after"))
+
+    asyncio.run(scenario())

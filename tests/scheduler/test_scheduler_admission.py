@@ -37,8 +37,9 @@ def test_add_request_rejects_a_request_needing_more_blocks_than_the_whole_pool()
     assert error.value.param == "max_tokens"
     assert not scheduler.requests and scheduler.num_waiting == 0
     assert scheduler.block_manager.num_free_blocks == 4
-    scheduler.add_request(make_request("fits", 12, max_tokens=4, ignore_eos=True))
-    assert run_to_completion(scheduler).finished["fits"].num_output_tokens == 4
+    # 12 + 5 tokens need exactly 16 slots (the last sampled token is never written): all 4 blocks.
+    scheduler.add_request(make_request("fits", 12, max_tokens=5, ignore_eos=True))
+    assert run_to_completion(scheduler).finished["fits"].num_output_tokens == 5
 
 
 def test_add_request_rejects_an_empty_prompt():
@@ -217,6 +218,26 @@ def test_scheduler_preempts_the_latest_arrived_request_when_out_of_blocks():
     assert all(log.finished[r.request_id].output_token_ids == expected_output_token_ids(r) for r in (first, second))
 
 
+def test_under_fcfs_a_preempted_request_waits_ahead_of_later_arrivals():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=2)
+    runner = FakeModelRunner(scheduler)
+    for request_id in "abc":
+        scheduler.add_request(make_request(request_id, 8, max_tokens=8, ignore_eos=True))
+    step(scheduler, runner)
+    assert step(scheduler, runner).preempted_request_ids == ["b"]
+    assert [request.request_id for request in scheduler.waiting] == ["b", "c"]
+
+
+def test_a_readmitted_request_is_not_counted_again_in_the_prefix_cache_statistics():
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    runner = FakeModelRunner(scheduler)
+    for request_id in "ab":
+        scheduler.add_request(make_request(request_id, 8, max_tokens=8, ignore_eos=True))
+    run_to_completion(scheduler, runner)
+    assert scheduler.num_preemptions >= 1
+    assert scheduler.prefix_cache_queries == 8 + 8  # each prompt once, not again on readmission
+
+
 def test_priority_policy_preempts_the_lowest_priority_even_when_it_arrived_first():
     scheduler = make_scheduler(num_blocks=4, block_size=4, scheduling_policy="priority")
     runner = FakeModelRunner(scheduler)
@@ -262,8 +283,11 @@ def test_preempted_request_recomputes_its_prompt_and_generated_tokens_when_readm
     step(scheduler, runner, log)
     assert step(scheduler, runner, log).preempted_request_ids == ["b"]
     tokens_at_preemption = list(victim.all_token_ids)
-    while not any(s.request_id == "b" for s in step(scheduler, runner, log).requests):
-        pass
+    for _ in range(50):
+        if any(s.request_id == "b" for s in step(scheduler, runner, log).requests):
+            break
+    else:
+        pytest.fail("the preempted request was never readmitted")
     resumed = next(s for s in log.plans[-1].requests if s.request_id == "b")
     assert resumed.start_position == 0 and resumed.token_ids == tokens_at_preemption
     log = run_to_completion(scheduler, runner)
@@ -277,8 +301,11 @@ def test_priority_policy_admits_a_waiting_higher_priority_request_before_a_preem
     scheduler.add_request(make_request("high1", 8, priority=0, max_tokens=12, ignore_eos=True))
     step(scheduler, runner)
     scheduler.add_request(make_request("high2", 8, priority=0, max_tokens=8, ignore_eos=True))
-    while not step(scheduler, runner).preempted_request_ids:  # high1 grows and preempts low
-        pass
+    for _ in range(50):  # high1 grows and preempts low
+        if step(scheduler, runner).preempted_request_ids:
+            break
+    else:
+        pytest.fail("no preemption happened")
     # 2 blocks are free now: enough for high2's prompt, not for low's 13 tokens. Yet low sits at
     # the head of `waiting` and blocks high2 until high1 finishes.
     plan = step(scheduler, runner)

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from configs import EngineConfig, SamplingParams, load_engine_config
-from engine.errors import InvalidRequestError
+from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.outputs import EngineStats, RequestDelta, RequestTimings, TokenLogprob
 from server.app import create_app
 
@@ -54,6 +54,10 @@ class FakeEngine:
         self.hang_after_first_delta = False  # simulates a long decode
         self.fail_after_first_delta: Exception | None = None
         self.started = self.shut_down = False
+        # As AsyncEngine: a priority needs the priority policy; in-flight requests are capped.
+        self.scheduling_policy = "fcfs"
+        self.priorities: dict[str, int] = {}
+        self.in_flight = 0
 
     async def start(self) -> None:
         self.started = True
@@ -84,7 +88,13 @@ class FakeEngine:
             raise self.raise_on_generate
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError("too long", "max_tokens")  # the server checks first
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidRequestError("priority needs --scheduling-policy priority", "priority")
+        if self.in_flight >= self.max_waiting_requests:
+            raise EngineOverloadedError(f"{self.in_flight} requests are in flight")
         self.requests.append((request_id, prompt_token_ids, params))
+        self.priorities[request_id] = priority
+        self.in_flight += 1
         arrival, finished = time.monotonic(), set()
         try:
             for step in range(params.max_tokens):
@@ -110,6 +120,7 @@ class FakeEngine:
                         await asyncio.Event().wait()
                 await asyncio.sleep(0)
         finally:
+            self.in_flight -= 1
             if len(finished) < params.n:
                 self.closed_early.append(request_id)
 

@@ -161,3 +161,27 @@ def test_lifespan_starts_and_shuts_down_the_engine(app, engine):
 
 def test_every_response_carries_a_request_id(client):
     assert re.fullmatch(r"[0-9a-f]{32}", client.get("/health").headers["x-request-id"])
+
+
+def test_priority_reaches_the_engine_for_every_prompt_under_the_priority_policy(client, engine):
+    engine.scheduling_policy = "priority"
+    response = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1,
+                                                    "priority": -2})
+    assert response.status_code == 200, response.text
+    assert sorted(engine.priorities.values()) == [-2, -2]
+
+
+def test_priority_under_fcfs_is_a_400_naming_the_field(client):
+    response = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "priority": 1})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "priority"
+
+
+def test_a_prompt_refused_as_overloaded_closes_the_prompts_already_accepted(client, engine):
+    engine.in_flight = engine.max_waiting_requests - 1  # room for one more engine request
+    engine.hang_after_first_delta = True  # the accepted prompt is still running when refused
+    response = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 4})
+    assert response.status_code == 429, response.text
+    (accepted, _, _), = engine.requests
+    assert accepted in engine.closed_early  # closing its stream is what aborts it in AsyncEngine
