@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from tests.reliability.support import AUTH, assert_openai_error, parse_sse
+from tests.reliability.support import AUTH, assert_openai_error, parse_sse, read_metrics
 
 EXIT_TIMEOUT_S = 30.0
 LONG = {"prompt": "Write a very long story about a dragon.", "max_tokens": 400,
@@ -21,6 +21,17 @@ LONG = {"prompt": "Write a very long story about a dragon.", "max_tokens": 400,
 
 def _plain_request(url: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=LONG, headers=AUTH, timeout=60)
+
+
+def _wait_until_in_engine(url: str, num_requests: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        samples = read_metrics(url)
+        if (samples["pagedserve:num_requests_running"]
+                + samples["pagedserve:num_requests_waiting"]) >= num_requests:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {num_requests} requests reached the engine")
 
 
 def test_sigterm_stops_accepting_ends_open_requests_with_a_final_event_and_exits_zero(
@@ -33,7 +44,7 @@ def test_sigterm_stops_accepting_ends_open_requests_with_a_final_event_and_exits
         lines = stream.iter_lines()
         first = next(lines)
         assert first.startswith("data: "), first
-        time.sleep(0.5)  # let the plain request reach the engine too
+        _wait_until_in_engine(server.url, num_requests=2)  # the plain request reached it too
         sent_at = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
 
