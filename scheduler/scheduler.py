@@ -140,14 +140,18 @@ class Scheduler:
         preempted: list[str] = []
         self._fork_ready_children()
 
+        # Decodes not yet scheduled in this pass: a prompt chunk leaves one token for each. (A
+        # decode preempted from the tail stays counted: the chunk is then one token smaller.)
+        decodes_left = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            if num_new_tokens > 1:  # a prompt chunk leaves one token for each decode behind it
-                decodes_behind = sum(r.num_tokens - r.num_computed_tokens == 1
-                                     for r in self.running[index + 1:])
-                num_new_tokens = max(1, min(num_new_tokens, token_budget - decodes_behind))
+            num_remaining = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = min(num_remaining, token_budget)
+            if num_remaining == 1:
+                decodes_left -= 1
+            elif num_new_tokens > 1:
+                num_new_tokens = max(1, min(num_new_tokens, token_budget - decodes_left))
             if self._reserve_or_preempt(request, num_new_tokens, preempted):
                 scheduled.append(self._plan(request, num_new_tokens))
                 token_budget -= num_new_tokens
