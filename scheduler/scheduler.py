@@ -194,8 +194,7 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         # Ahead of every waiting request it precedes in serve order (under FCFS: all of them).
-        keys = [self._order_key(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect_left(keys, self._order_key(request)), request)
+        self._insert_waiting_ahead(request)
         self.num_preemptions += 1
 
     def _admit(self, request: Request, token_budget: int) -> bool:
@@ -220,6 +219,11 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self._insert_running(request)
         return True
+
+    def _insert_waiting_ahead(self, request: Request) -> None:
+        """Into `waiting` in serve order, ahead of requests with an equal key."""
+        keys = [self._order_key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_left(keys, self._order_key(request)), request)
 
     def _insert_running(self, request: Request) -> None:
         keys = [self._order_key(r) for r in self.running]
@@ -249,8 +253,7 @@ class Scheduler:
                 self.fork_waiting.remove(child)
                 child.parent_request_id = None
                 # In serve order like any request (it keeps its parent's arrival and priority).
-                keys = [self._order_key(r) for r in self.waiting]
-                self.waiting.insert(bisect.bisect_left(keys, self._order_key(child)), child)
+                self._insert_waiting_ahead(child)
 
     def _plan(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens
