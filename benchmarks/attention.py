@@ -6,7 +6,7 @@ torch's FlashAttention kernel); the kernel and the reference read a cache with s
 tables, as a long-running server would. Two roofline rows come with them: a pass that only reads
 the K/V bytes, and the kernel with K/V resident in L2.
 
-    python -m benchmarks.attention [--batch 64] [--context 1024] [--dtype float32 bfloat16]
+    python -m pagedserve.benchmarks.attention [--batch 64] [--context 1024] [--dtype float32 bfloat16]
         [--kv-cache-dtype auto bfloat16 fp8_e4m3] [--device cpu|cuda] [--backend auto|cpu|triton]
 
 `--backend auto` is the `cpu` kernel on the CPU and `triton` on CUDA (the GPU check runs
@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cache.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend
-from cache.cache_engine import KV_CACHE_DTYPES
-from cache.cache_engine import TORCH_DTYPES as DTYPES
+from pagedserve.cache.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend
+from pagedserve.cache.cache_engine import KV_CACHE_DTYPES
+from pagedserve.cache.cache_engine import TORCH_DTYPES as DTYPES
 
 DEFAULT_OUTPUT = Path(__file__).parent / "results" / "attention.json"
 
@@ -56,8 +56,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--backend", choices=["auto", "cpu", "triton"], default="auto",
-                        help="the paged kernel to time (auto: cpu on the CPU, triton on CUDA)")
+    parser.add_argument(
+        "--backend",
+        choices=["auto", "cpu", "triton"],
+        default="auto",
+        help="the paged kernel to time (auto: cpu on the CPU, triton on CUDA)",
+    )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     return parser.parse_args(argv)
 
@@ -94,11 +98,14 @@ def make_decode_step(
 
     sdpa_inputs = (query.unsqueeze(2), contiguous(key_cache), contiguous(value_cache))
     device = torch.device(args.device)
-    meta = replace(meta, **{
-        field.name: getattr(meta, field.name).to(device)
-        for field in fields(meta)
-        if isinstance(getattr(meta, field.name), torch.Tensor)
-    })
+    meta = replace(
+        meta,
+        **{
+            field.name: getattr(meta, field.name).to(device)
+            for field in fields(meta)
+            if isinstance(getattr(meta, field.name), torch.Tensor)
+        },
+    )
     key_cache, value_cache, query = (t.to(device) for t in (key_cache, value_cache, query))
     sdpa_inputs = tuple(t.to(device) for t in sdpa_inputs)
     return query, key_cache, value_cache, meta, sdpa_inputs
@@ -113,6 +120,7 @@ def time_interleaved(
     threads, is the steadier number on a shared machine where wall time includes waiting. On CUDA
     the wall time spans a synchronize before and after the call: the kernels' whole run.
     """
+
     def synchronize() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)

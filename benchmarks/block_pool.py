@@ -5,7 +5,7 @@ prefix, reserves its prompt block by block with `allocate_slots` (registering ea
 in the prefix cache), then decodes a few tokens one `allocate_slots` call at a time. The same
 seeded workload runs with prefix caching on and off (the baseline) in the same process.
 
-    python -m benchmarks.block_pool [--live-requests 1000] [--steps 10000] [--block-size 16]
+    python -m pagedserve.benchmarks.block_pool [--live-requests 1000] [--steps 10000] [--block-size 16]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cache.block_manager import BlockManager
-from cache.block_table import ceil_div
+from pagedserve.cache.block_manager import BlockManager
+from pagedserve.cache.block_table import ceil_div
 
 DEFAULT_OUTPUT = Path(__file__).parent / "results" / "block_pool.json"
 

@@ -32,7 +32,7 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -ra tests/ker
   2>&1 | tee "$out/kernel_tests.txt"
 tests_status=${PIPESTATUS[0]}
 
-timeout 240 python3 -m benchmarks.attention --device cuda --batch 256 --context 4096 \
+timeout 240 python3 -m pagedserve.benchmarks.attention --device cuda --batch 256 --context 4096 \
   --dtype bfloat16 float16 --kv-cache-dtype auto fp8_e4m3 --repeats 20 \
   --output "$out/attention_cuda.json" 2>&1 | tee "$out/attention_cuda.txt"
 bench_status=${PIPESTATUS[0]}

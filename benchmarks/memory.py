@@ -7,7 +7,7 @@ contiguous baseline is arithmetic: `budget // max_model_len` requests, each wast
 `max_model_len - its length`. Also measures the gain from prefix caching when every prompt starts
 with the same system prompt (token ids are seeded random: only lengths and sharing matter here).
 
-    python -m benchmarks.memory [--kv-budget-tokens 16384] [--max-model-len 2048] [--num-requests 256]
+    python -m pagedserve.benchmarks.memory [--kv-budget-tokens 16384] [--max-model-len 2048] [--num-requests 256]
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.workload import (
+from pagedserve.benchmarks.workload import (
     RESULTS_DIR,
     add_workload_args,
     prompt_lengths,
     workload_from_args,
     write_results,
 )
-from cache.block_manager import BlockManager
-from configs import SamplingParams
-from configs.engine import SchedulerConfig
-from scheduler import ModelRunnerOutput, Request, Scheduler
+from pagedserve.cache.block_manager import BlockManager
+from pagedserve.configs import SamplingParams
+from pagedserve.configs.engine import SchedulerConfig
+from pagedserve.scheduler import ModelRunnerOutput, Request, Scheduler
 
 FAKE_TOKEN_ID = 1
 VOCAB_SIZE = 32_000

@@ -5,10 +5,10 @@ Sends the shared workload to `/v1/completions` with `stream: true` and `ignore_e
 (between streamed chunks), TPOT, end-to-end latency (p50/p90/p99), request and token throughput,
 and errors. Each rate sends its own seeded prompts, so no rate hits a prefix cache the previous
 one filled. Without `--base-url` it starts our own server on a free 127.0.0.1 port
-(`python -m server serve ...`) and stops it afterwards. The rates run against the same server in
+(`python -m pagedserve.server serve ...`) and stops it afterwards. The rates run against the same server in
 one run, so they compare with each other.
 
-    python -m benchmarks.serving [--base-url http://host:port] [--request-rate 2 inf]
+    python -m pagedserve.benchmarks.serving [--base-url http://host:port] [--request-rate 2 inf]
         [--num-requests 64] [--prompt-format tokens|text]
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.workload import (
+from pagedserve.benchmarks.workload import (
     RESULTS_DIR,
     add_workload_args,
     build_prompts,
@@ -104,7 +104,7 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def own_server(args: argparse.Namespace) -> Iterator[str]:
-    """Start `python -m server serve` on a free port, wait for /health, stop it on exit."""
+    """Start `python -m pagedserve.server serve` on a free port, wait for /health, stop it on exit."""
     port = free_port()
     command = [
         sys.executable,

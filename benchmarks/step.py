@@ -9,7 +9,7 @@ separately and reported as its share of the step (goal: < 25% at 64 x 1,024 cont
 its floor: the time to stream the step's K/V bytes at the machine's measured read bandwidth
 (`read_bandwidth`), i.e. the share attention would have if the kernel ran at the memory roofline.
 
-    python -m benchmarks.step [--batch-sizes 1 16 64] [--steps 10] [--prompt-tokens 128] [--profile]
+    python -m pagedserve.benchmarks.step [--batch-sizes 1 16 64] [--steps 10] [--prompt-tokens 128] [--profile]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workload import (
+from pagedserve.benchmarks.workload import (
     RESULTS_DIR,
     WorkloadConfig,
     build_prompts,
@@ -27,7 +27,7 @@ from benchmarks.workload import (
     set_num_threads,
     write_results,
 )
-from cache.cache_engine import KV_CACHE_DTYPES
+from pagedserve.cache.cache_engine import KV_CACHE_DTYPES
 
 PHASES = ("schedule", "prepare", "forward", "sample", "update", "detokenize")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -54,8 +54,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", *sorted(KV_CACHE_DTYPES)]
     )
-    parser.add_argument("--kv-cache-memory", default=None,
-                        help="KV budget (default: the engine's); 64 x 1,024 in fp32 needs ~4GiB")
+    parser.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV budget (default: the engine's); 64 x 1,024 in fp32 needs ~4GiB",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "step.json")
     return parser.parse_args(argv)
@@ -82,7 +85,7 @@ class TimedBackend:
 
 
 def make_engine(args: argparse.Namespace, max_batch_size: int) -> Any:
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     engine = LLM(
         model=args.model,
@@ -103,7 +106,7 @@ def fill_to_decode(engine: Any, prompts: list[list[int]]) -> list[str]:
     """Queue one request per prompt and step until every one is decoding (prefills done).
 
     Their max_tokens is as large as the context allows: none finishes while being timed."""
-    from configs import SamplingParams
+    from pagedserve.configs import SamplingParams
 
     request_ids = [f"step-{index}" for index in range(len(prompts))]
     for request_id, prompt in zip(request_ids, prompts, strict=True):
@@ -128,7 +131,7 @@ def timed_step(engine: Any) -> dict[str, float]:
 
     NOTE: mirrors `step()` through the engine's private `_sampling_row` and `_delta`; the smoke
     test fails if they change, so this breakdown cannot silently drift from the real step."""
-    from scheduler import ModelRunnerOutput
+    from pagedserve.scheduler import ModelRunnerOutput
 
     runner, clock = engine.runner, time.perf_counter
     # Each decoding request attends over all its tokens: that many K/V rows, every layer.
@@ -223,7 +226,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             + " ".join(f"{row['phases_ms'][phase]:>13.2f}" for phase in PHASES)
             + f" {row['step_ms']:>9.2f} {row['overhead_fraction']:>9.1%}"
             + f" {row['attention_ms']:>8.2f} {row['attention_fraction']:>6.1%}"
-        + f" {row['attention_floor_ms']:>8.2f} {row['attention_floor_fraction']:>6.1%}"
+            + f" {row['attention_floor_ms']:>8.2f} {row['attention_floor_fraction']:>6.1%}"
             + f" {row['decode_tokens_per_s']:>8.1f}"
         )
 

@@ -1,7 +1,7 @@
 """Offline throughput: the seeded workload through our `LLM`, against Hugging Face `generate` run
 one request at a time and in static, left-padded batches, all in the same process and dtype.
 
-    python -m benchmarks.throughput [--num-requests 64] [--dtype float32 bfloat16]
+    python -m pagedserve.benchmarks.throughput [--num-requests 64] [--dtype float32 bfloat16]
         [--baselines hf-single hf-static] [--hf-sample 4] [--hf-batches 0] [--num-threads 1]
 
 HF one-at-a-time is slow (64 x 128 tokens take ~10 minutes), so `--hf-sample K` times it on the
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workload import (
+from pagedserve.benchmarks.workload import (
     RESULTS_DIR,
     add_workload_args,
     build_prompts,
@@ -111,8 +111,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_ours(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) -> list[Measurement]:
     """The whole workload submitted together, then the first `--hf-sample` requests one at a
     time (single-request decode, comparable row for row with HF one-at-a-time)."""
-    from configs import SamplingParams
-    from engine.llm import LLM
+    from pagedserve.configs import SamplingParams
+    from pagedserve.engine.llm import LLM
 
     llm = LLM(
         model=args.model,
@@ -134,22 +134,34 @@ def run_ours(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) -> 
     expected = len(prompts) * args.output_tokens
     if num_output_tokens != expected:
         raise RuntimeError(f"pagedserve produced {num_output_tokens} tokens, expected {expected}")
-    batched = Measurement(dtype, "pagedserve (continuous batching)", len(prompts),
-                          sum(map(len, prompts)), num_output_tokens, seconds)
+    batched = Measurement(
+        dtype,
+        "pagedserve (continuous batching)",
+        len(prompts),
+        sum(map(len, prompts)),
+        num_output_tokens,
+        seconds,
+    )
     sample = prompts[: args.hf_sample or len(prompts)]
     start = time.perf_counter()
     for prompt in sample:
         llm.generate([prompt], params)
-    single = Measurement(dtype, "pagedserve, one request at a time", len(sample),
-                         sum(map(len, sample)), len(sample) * args.output_tokens,
-                         time.perf_counter() - start, extrapolated=len(sample) < len(prompts))
+    single = Measurement(
+        dtype,
+        "pagedserve, one request at a time",
+        len(sample),
+        sum(map(len, sample)),
+        len(sample) * args.output_tokens,
+        time.perf_counter() - start,
+        extrapolated=len(sample) < len(prompts),
+    )
     return [batched, single]
 
 
 def load_hf_model(model: str, dtype: str) -> tuple[Any, Any]:
     """A fresh HF model with its stock attention (not the instance the engine patches)."""
-    from configs.engine import ModelConfig
-    from engine.model_loader import load_model
+    from pagedserve.configs.engine import ModelConfig
+    from pagedserve.engine.model_loader import load_model
 
     loaded = load_model(ModelConfig(model=model, dtype=dtype), "cpu", attn_implementation="sdpa")
     return loaded.model, loaded.tokenizer
@@ -216,7 +228,7 @@ def run_vllm(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) -> 
     from vllm import LLM as VllmLLM
     from vllm import SamplingParams as VllmSamplingParams
 
-    from engine.model_loader import resolve_model_path
+    from pagedserve.engine.model_loader import resolve_model_path
 
     llm = VllmLLM(model=str(resolve_model_path(args.model)[0]), dtype=dtype)
     params = VllmSamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)

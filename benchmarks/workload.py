@@ -151,7 +151,7 @@ def load_tokenizer(model: str) -> Any:
     """The engine's tokenizer for `model`, offline (the default model is converted on first use)."""
     from transformers import AutoTokenizer
 
-    from engine.model_loader import resolve_model_path
+    from pagedserve.engine.model_loader import resolve_model_path
 
     path, _ = resolve_model_path(model)
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

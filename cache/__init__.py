@@ -4,8 +4,15 @@
 and `attention/` are the only tensor code here.
 """
 
-from cache.block_manager import BlockManager
-from cache.block_pool import Block, BlockPool, DoubleFreeError, OutOfBlocksError
-from cache.block_table import BlockTable
+from pagedserve.cache.block_manager import BlockManager
+from pagedserve.cache.block_pool import Block, BlockPool, DoubleFreeError, OutOfBlocksError
+from pagedserve.cache.block_table import BlockTable
 
-__all__ = ["Block", "BlockManager", "BlockPool", "BlockTable", "DoubleFreeError", "OutOfBlocksError"]
+__all__ = [
+    "Block",
+    "BlockManager",
+    "BlockPool",
+    "BlockTable",
+    "DoubleFreeError",
+    "OutOfBlocksError",
+]

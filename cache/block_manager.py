@@ -11,8 +11,8 @@ import hashlib
 from array import array
 from collections.abc import Hashable, Sequence
 
-from cache.block_pool import BlockPool
-from cache.block_table import BlockTable, ceil_div
+from pagedserve.cache.block_pool import BlockPool
+from pagedserve.cache.block_table import BlockTable, ceil_div
 
 _NO_PARENT = 0  # the chain's seed: the first block of every prompt hashes against it
 
@@ -37,11 +37,15 @@ class BlockManager:
     (checked by `check_invariants`).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.tables: dict[str, BlockTable] = {}
-        self._block_hashes: dict[str, list[int]] = {}  # chained hashes of each table's cached blocks
+        self._block_hashes: dict[
+            str, list[int]
+        ] = {}  # chained hashes of each table's cached blocks
         self._pending_copies: list[tuple[int, int]] = []
         # Every lookup, retries included (the engine reports the scheduler's once-per-request counts)
         self.prefix_cache_queries = 0  # tokens looked up
@@ -96,7 +100,9 @@ class BlockManager:
         self.prefix_cache_hits += num_cached_tokens
         return num_cached_tokens
 
-    def allocate_slots(self, request_id: str, num_new_tokens: int, num_computed_tokens: int) -> bool:
+    def allocate_slots(
+        self, request_id: str, num_new_tokens: int, num_computed_tokens: int
+    ) -> bool:
         """Reserve slots for positions [num_computed, num_computed + num_new) of `request_id`.
 
         ```
@@ -136,7 +142,8 @@ class BlockManager:
         return [
             idx
             for idx in range(first, min(last + 1, len(table)))
-            if blocks[table.block_ids[idx]].ref_count > 1 or blocks[table.block_ids[idx]].block_hash is not None
+            if blocks[table.block_ids[idx]].ref_count > 1
+            or blocks[table.block_ids[idx]].block_hash is not None
         ]
 
     def _copy_on_write(self, table: BlockTable, idx: int) -> None:
@@ -181,7 +188,9 @@ class BlockManager:
             raise RuntimeError(f"request {child_id} already has a block table")
         parent = self.tables[parent_id]
         if num_tokens > parent.num_slots:
-            raise RuntimeError(f"fork of {num_tokens} tokens, but {parent_id} holds {parent.num_slots} slots")
+            raise RuntimeError(
+                f"fork of {num_tokens} tokens, but {parent_id} holds {parent.num_slots} slots"
+            )
         shared_ids = parent.block_ids[: ceil_div(num_tokens, self.block_size)]
         for block_id in shared_ids:
             self.pool.touch(self.pool.blocks[block_id])

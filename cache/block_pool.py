@@ -91,7 +91,9 @@ class BlockPool:
             DoubleFreeError: the block has no reference left to drop.
         """
         if block.ref_count <= 0:
-            raise DoubleFreeError(f"block {block.block_id} released with ref_count {block.ref_count}")
+            raise DoubleFreeError(
+                f"block {block.block_id} released with ref_count {block.ref_count}"
+            )
         block.ref_count -= 1
         if block.ref_count == 0:
             self._free[block.block_id] = block
@@ -103,16 +105,24 @@ class BlockPool:
         for block in blocks:
             self.release(block)
 
-    def cache(self, block: Block, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> None:
+    def cache(
+        self, block: Block, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]
+    ) -> None:
         """Register a full, computed block under its chained hash (first writer wins)."""
         if not self.enable_prefix_caching or block.block_hash is not None:
             return
         if block_hash in self._hash_to_block:
             return  # an identical block is already cached; this one stays private
-        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
+        block.block_hash, block.parent_hash, block.token_ids = (
+            block_hash,
+            parent_hash,
+            tuple(token_ids),
+        )
         self._hash_to_block[block_hash] = block
 
-    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> Block | None:
+    def lookup(
+        self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]
+    ) -> Block | None:
         """The cached block holding exactly these tokens after exactly this parent, if any."""
         block = self._hash_to_block.get(block_hash)
         if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
@@ -135,7 +145,9 @@ class BlockPool:
             )
         for block in self._free.values():
             if block.ref_count != 0:
-                raise RuntimeError(f"block {block.block_id} is free with ref_count {block.ref_count}")
+                raise RuntimeError(
+                    f"block {block.block_id} is free with ref_count {block.ref_count}"
+                )
         for block_hash, block in self._hash_to_block.items():
             if block.block_hash != block_hash:
                 raise RuntimeError(f"hash index points at block {block.block_id} with another hash")

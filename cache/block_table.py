@@ -42,7 +42,9 @@ class BlockTable:
     def slot_mapping(self, start: int, end: int) -> list[int]:
         """Flat KV slots of logical positions [start, end)."""
         if start < 0 or end > self.num_slots:
-            raise IndexError(f"positions [{start}, {end}) exceed the {self.num_slots} reserved slots")
+            raise IndexError(
+                f"positions [{start}, {end}) exceed the {self.num_slots} reserved slots"
+            )
         size, ids = self.block_size, self.block_ids
         return [ids[pos // size] * size + pos % size for pos in range(start, end)]
 

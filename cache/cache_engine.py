@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from cache.cache_spec import CacheSpec
+from pagedserve.cache.cache_spec import CacheSpec
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,12 @@ class CacheEngine:
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         dtype = KV_CACHE_DTYPES[spec.dtype]
         # zeros, not empty: padding slots a kernel may touch must never hold NaNs.
-        self.key_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]
-        self.value_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.key_caches = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)
+        ]
+        self.value_caches = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)
+        ]
 
     @property
     def num_bytes(self) -> int:

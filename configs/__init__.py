@@ -3,7 +3,7 @@
 Leaf package: imports nothing else of the project, no torch, no transformers.
 """
 
-from configs.engine import (
+from pagedserve.configs.engine import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -11,8 +11,8 @@ from configs.engine import (
     ServerConfig,
     parse_bytes,
 )
-from configs.loader import load_engine_config
-from configs.sampling import SamplingParams, SamplingParamsError
+from pagedserve.configs.loader import load_engine_config
+from pagedserve.configs.sampling import SamplingParams, SamplingParamsError
 
 __all__ = [
     "CacheConfig",

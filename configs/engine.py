@@ -12,8 +12,22 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 10**6, "MB": 10**6, "MIB": 2**20,
-          "G": 10**9, "GB": 10**9, "GIB": 2**30, "T": 10**12, "TB": 10**12, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "KIB": 1024,
+    "M": 10**6,
+    "MB": 10**6,
+    "MIB": 2**20,
+    "G": 10**9,
+    "GB": 10**9,
+    "GIB": 2**30,
+    "T": 10**12,
+    "TB": 10**12,
+    "TIB": 2**40,
+}
 
 
 def parse_bytes(text: str | int) -> int:
@@ -31,12 +45,20 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    model: str = Field(DEFAULT_MODEL, description="HF model folder, hub id (offline), or the default model's name")
-    served_model_name: str | None = Field(None, description="name reported by /v1/models (default: the model name)")
+    model: str = Field(
+        DEFAULT_MODEL, description="HF model folder, hub id (offline), or the default model's name"
+    )
+    served_model_name: str | None = Field(
+        None, description="name reported by /v1/models (default: the model name)"
+    )
     tokenizer: str | None = Field(None, description="tokenizer folder or id (default: the model's)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="weights dtype (also the KV cache's, unless --kv-cache-dtype)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights dtype (also the KV cache's, unless --kv-cache-dtype)"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs")
-    max_model_len: int | None = Field(None, ge=1, description="max prompt + output tokens (default: min(model limit, 4096))")
+    max_model_len: int | None = Field(
+        None, ge=1, description="max prompt + output tokens (default: min(model limit, 4096))"
+    )
     trust_remote_code: bool = Field(False, description="allow model code from the model folder")
     seed: int = Field(0, ge=0, description="global seed for unseeded sampling")
 
@@ -44,15 +66,24 @@ class ModelConfig(_Section):
 class CacheConfig(_Section):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     kv_cache_memory: str = Field("512MiB", description="KV cache budget on CPU (e.g. 512MiB, 2GiB)")
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="fraction of GPU memory for weights + KV on CUDA")
-    num_kv_blocks: int | None = Field(None, ge=1, description="explicit number of KV blocks (overrides the budget)")
-    enable_prefix_caching: bool = Field(True, description="reuse cached KV blocks of identical prompt prefixes")
-    attention_backend: Literal["auto", "cpu", "triton", "torch"] = Field("auto", description="paged attention kernel")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="fraction of GPU memory for weights + KV on CUDA"
+    )
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="explicit number of KV blocks (overrides the budget)"
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="reuse cached KV blocks of identical prompt prefixes"
+    )
+    attention_backend: Literal["auto", "cpu", "triton", "torch"] = Field(
+        "auto", description="paged attention kernel"
+    )
     # Storage only: the CPU kernel computes in float32, Triton in the query's dtype. A smaller cache
     # dtype holds 2x (16-bit) or 4x (fp8) the tokens; speed barely changes on this CPU, where the
     # kernel is then compute-bound (benchmarks/RESULTS.md, "Roofline").
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"] = Field(
-        "auto", description="KV cache storage dtype (auto: the model's; fp8 = fp8_e4m3, saturating at +-448)"
+        "auto",
+        description="KV cache storage dtype (auto: the model's; fp8 = fp8_e4m3, saturating at +-448)",
     )
 
     @field_validator("kv_cache_memory", mode="before")
@@ -67,20 +98,32 @@ class CacheConfig(_Section):
 
 class SchedulerConfig(_Section):
     max_num_seqs: int = Field(64, ge=1, description="max requests in one step")
-    max_num_batched_tokens: int = Field(512, ge=1, description="token budget per step (chunked prefill beyond it)")
-    max_waiting_requests: int = Field(1024, ge=1, description="requests in flight (waiting or running) beyond which new ones get 429")
+    max_num_batched_tokens: int = Field(
+        512, ge=1, description="token budget per step (chunked prefill beyond it)"
+    )
+    max_waiting_requests: int = Field(
+        1024,
+        ge=1,
+        description="requests in flight (waiting or running) beyond which new ones get 429",
+    )
     scheduling_policy: Literal["fcfs", "priority"] = Field(
-        "fcfs", description="order of waiting requests (priority: by each request's 'priority' field, lower first)")
+        "fcfs",
+        description="order of waiting requests (priority: by each request's 'priority' field, lower first)",
+    )
     # Only recompute: a victim's blocks are released and its tokens recomputed (cheap with the
     # prefix cache). Swap-to-host is not implemented; the flag exists so vLLM command lines parse.
-    preemption_mode: Literal["recompute"] = Field("recompute", description="what preemption does with a victim's KV")
+    preemption_mode: Literal["recompute"] = Field(
+        "recompute", description="what preemption does with a victim's KV"
+    )
 
 
 class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
-    max_request_body_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request body")
+    max_request_body_bytes: int = Field(
+        1 << 20, ge=1024, description="largest accepted request body"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
     @field_validator("api_key")

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from configs.engine import SECTIONS, EngineConfig, section_of
+from pagedserve.configs.engine import SECTIONS, EngineConfig, section_of
 
 ENV_PREFIX = "PAGEDSERVE_"
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -52,7 +52,7 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     for key, value in environ.items():
         if not key.startswith(ENV_PREFIX) or key in (f"{ENV_PREFIX}CACHE", f"{ENV_PREFIX}CONFIG"):
             continue  # PAGEDSERVE_CACHE is the model/kernel cache dir, not a setting
-        name = key[len(ENV_PREFIX):].lower()
+        name = key[len(ENV_PREFIX) :].lower()
         nested.setdefault(_section_or_raise(name, f"environment variable {key}"), {})[name] = value
     return nested
 

@@ -51,44 +51,97 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: int | None = None  # number of top alternatives to return per token (0 = only the chosen)
+    logprobs: int | None = (
+        None  # number of top alternatives to return per token (0 = only the chosen)
+    )
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"n must be in [1, {MAX_N}], got {self.n}")
-        _check(_finite(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
-               f"temperature must be a finite number in [0, 100], got {self.temperature}")
-        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
-               f"top_p must be in (0, 1], got {self.top_p}")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
-               f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
-        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
-               f"min_p must be in [0, 1], got {self.min_p}")
+        _check(
+            isinstance(self.n, int) and 1 <= self.n <= MAX_N,
+            "n",
+            f"n must be in [1, {MAX_N}], got {self.n}",
+        )
+        _check(
+            _finite(self.temperature) and 0.0 <= self.temperature <= 100.0,
+            "temperature",
+            f"temperature must be a finite number in [0, 100], got {self.temperature}",
+        )
+        _check(
+            _finite(self.top_p) and 0.0 < self.top_p <= 1.0,
+            "top_p",
+            f"top_p must be in (0, 1], got {self.top_p}",
+        )
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= -1,
+            "top_k",
+            f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}",
+        )
+        _check(
+            _finite(self.min_p) and 0.0 <= self.min_p <= 1.0,
+            "min_p",
+            f"min_p must be in [0, 1], got {self.min_p}",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_finite(value) and -2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}")
-        _check(_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
-               "repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+            _check(
+                _finite(value) and -2.0 <= value <= 2.0,
+                name,
+                f"{name} must be in [-2, 2], got {value}",
+            )
+        _check(
+            _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            "repetition_penalty",
+            f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+        )
         for token_id, bias in self.logit_bias.items():
-            _check(isinstance(token_id, int) and token_id >= 0, "logit_bias",
-                   f"logit_bias keys must be token ids >= 0, got {token_id!r}")
-            _check(_finite(bias) and -100.0 <= bias <= 100.0, "logit_bias",
-                   f"logit_bias values must be in [-100, 100], got {bias}")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed",
-               f"seed must be in [0, 2**63), got {self.seed}")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
-               f"max_tokens must be at least 1, got {self.max_tokens}")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-               f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        _check(len(self.stop) <= MAX_STOP_SEQUENCES, "stop",
-               f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(self.stop)}")
+            _check(
+                isinstance(token_id, int) and token_id >= 0,
+                "logit_bias",
+                f"logit_bias keys must be token ids >= 0, got {token_id!r}",
+            )
+            _check(
+                _finite(bias) and -100.0 <= bias <= 100.0,
+                "logit_bias",
+                f"logit_bias values must be in [-100, 100], got {bias}",
+            )
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            "seed",
+            f"seed must be in [0, 2**63), got {self.seed}",
+        )
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "max_tokens",
+            f"max_tokens must be at least 1, got {self.max_tokens}",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"min_tokens must be in [0, max_tokens], got {self.min_tokens}",
+        )
+        _check(
+            len(self.stop) <= MAX_STOP_SEQUENCES,
+            "stop",
+            f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(self.stop)}",
+        )
         for stop in self.stop:
-            _check(isinstance(stop, str) and 0 < len(stop) <= MAX_STOP_SEQUENCE_CHARS, "stop",
-                   f"each stop sequence must be a non-empty string of at most {MAX_STOP_SEQUENCE_CHARS} characters")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "stop_token_ids must be token ids >= 0")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            _check(
+                isinstance(stop, str) and 0 < len(stop) <= MAX_STOP_SEQUENCE_CHARS,
+                "stop",
+                f"each stop sequence must be a non-empty string of at most {MAX_STOP_SEQUENCE_CHARS} characters",
+            )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "stop_token_ids must be token ids >= 0",
+        )
+        _check(
+            self.logprobs is None
+            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -3,16 +3,22 @@
 The server imports only this package's public surface (and `configs`).
 """
 
-from configs import SamplingParams
-from engine.client import EngineClient
-from engine.errors import (
+from pagedserve.configs import SamplingParams
+from pagedserve.engine.client import EngineClient
+from pagedserve.engine.errors import (
     EngineDeadError,
     EngineError,
     EngineOverloadedError,
     InvalidRequestError,
     RequestFailedError,
 )
-from engine.outputs import CompletionOutput, EngineStats, RequestDelta, RequestOutput, TokenLogprob
+from pagedserve.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestDelta,
+    RequestOutput,
+    TokenLogprob,
+)
 
 __all__ = [
     "CompletionOutput",

@@ -16,16 +16,16 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from configs import EngineConfig, SamplingParams, SamplingParamsError
-from engine.errors import (
+from pagedserve.configs import EngineConfig, SamplingParams, SamplingParamsError
+from pagedserve.engine.errors import (
     EngineDeadError,
     EngineError,
     EngineOverloadedError,
     InvalidRequestError,
     RequestFailedError,
 )
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineStats, RequestDelta
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.outputs import EngineStats, RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -103,23 +103,28 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join, timeout_s)
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
         priority: int = 0,
     ) -> AsyncIterator[RequestDelta]:
         if not self.is_alive or self._stopping.is_set():
             raise EngineDeadError(self._dead_reason or "the engine is not running")
         self._engine.validate_request(prompt_token_ids, params)  # raises before anything is queued
         if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
-            raise InvalidRequestError("priority needs the server's --scheduling-policy priority",
-                                      "priority")
+            raise InvalidRequestError(
+                "priority needs the server's --scheduling-policy priority", "priority"
+            )
         if len(self._streams) >= self.max_waiting_requests:
             raise EngineOverloadedError(f"{len(self._streams)} requests are in flight; retry later")
         if request_id in self._streams or request_id in self._closing:
             raise EngineOverloadedError(f"request id {request_id!r} is already in flight")
         stream: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(("add", (request_id, list(prompt_token_ids), params, time.monotonic(),
-                                    priority)))
+        self._commands.put(
+            ("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority))
+        )
         num_finished = 0
         try:
             while num_finished < params.n:
@@ -169,7 +174,9 @@ class AsyncEngine:
     def _apply_commands(self, block: bool) -> list[RequestDelta]:
         deltas: list[RequestDelta] = []
         try:
-            command, payload = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            command, payload = (
+                self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            )
             while True:
                 deltas += self._apply(command, payload)
                 command, payload = self._commands.get_nowait()
@@ -181,16 +188,25 @@ class AsyncEngine:
         if command == "add":
             request_id, prompt_token_ids, params, arrival_time, priority = payload
             try:
-                engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
-                                   priority=priority)
+                engine.add_request(
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    arrival_time=arrival_time,
+                    priority=priority,
+                )
             except (EngineError, SamplingParamsError) as error:  # the request's own fault: as is
                 self._send_error(request_id, error)
             except Exception as error:  # noqa: BLE001 - a bug, reported to that request only
                 logger.exception("request %s: add_request failed", request_id)
                 # The type only: the message may hold internals; the log has the traceback.
-                self._send_error(request_id, RequestFailedError(
-                    f"The engine could not accept the request ({type(error).__name__}); see the "
-                    "server log."))
+                self._send_error(
+                    request_id,
+                    RequestFailedError(
+                        f"The engine could not accept the request ({type(error).__name__}); see the "
+                        "server log."
+                    ),
+                )
             return []
         if command == "abort":
             return engine.abort_request(payload)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from configs import SamplingParams
-from engine.outputs import EngineStats, RequestDelta
+from pagedserve.configs import SamplingParams
+from pagedserve.engine.outputs import EngineStats, RequestDelta
 
 
 class EngineClient(Protocol):
@@ -24,7 +24,10 @@ class EngineClient(Protocol):
     async def shutdown(self) -> None: ...
 
     def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
         priority: int = 0,
     ) -> AsyncIterator[RequestDelta]:
         """Validate and queue the request (raising InvalidRequestError / EngineOverloadedError /

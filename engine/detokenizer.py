@@ -11,8 +11,13 @@ _PROMPT_CONTEXT_TOKENS = 5  # decoding starts a few prompt tokens back, so leadi
 class IncrementalDetokenizer:
     """Turns one choice's output tokens into text, a delta at a time."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
-                 include_stop_str_in_output: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
         self._token_ids = list(context)
@@ -20,7 +25,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._stop = stop
         self._include_stop = include_stop_str_in_output
-        self._hold = max((len(s) for s in stop), default=1) - 1  # chars that may start a stop string
+        self._hold = (
+            max((len(s) for s in stop), default=1) - 1
+        )  # chars that may start a stop string
         self._pending = ""  # decoded but not yet emitted
         self.text = ""  # everything emitted so far
 

@@ -6,10 +6,10 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from configs import SamplingParams, load_engine_config
-from configs.engine import DEFAULT_MODEL
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.configs import SamplingParams, load_engine_config
+from pagedserve.configs.engine import DEFAULT_MODEL
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 
 PromptInput = str | list[int]
 
@@ -40,9 +40,13 @@ class LLM:
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             self.engine.add_request(request_id, token_ids, params)
             outputs[request_id] = RequestOutput(
-                request_id, prompt if isinstance(prompt, str) else None, token_ids,
-                [CompletionOutput(i, "", [], None, [] if params.logprobs is not None else None)
-                 for i in range(params.n)],
+                request_id,
+                prompt if isinstance(prompt, str) else None,
+                token_ids,
+                [
+                    CompletionOutput(i, "", [], None, [] if params.logprobs is not None else None)
+                    for i in range(params.n)
+                ],
                 finished=False,
             )
         while self.engine.has_unfinished_requests():
@@ -66,14 +70,19 @@ class LLM:
         """Apply the tokenizer's chat template (with the generation prompt), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            list(self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False))
+            list(
+                self.tokenizer.apply_chat_template(
+                    conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params)
 
 
-def _broadcast(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
+def _broadcast(
+    params: SamplingParams | Sequence[SamplingParams], count: int
+) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * count
     if len(params) != count:

@@ -7,9 +7,9 @@ import logging
 import torch
 from transformers import PretrainedConfig
 
-from cache.cache_engine import TORCH_DTYPES
-from cache.cache_spec import CacheSpec
-from configs import EngineConfig, parse_bytes
+from pagedserve.cache.cache_engine import TORCH_DTYPES
+from pagedserve.cache.cache_spec import CacheSpec
+from pagedserve.configs import EngineConfig, parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +30,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
     for name, torch_dtype in TORCH_DTYPES.items():
         if torch_dtype == dtype:
             return name
-    raise ValueError(f"the model's weights are {dtype}; pass --kv-cache-dtype (one of "
-                     f"{', '.join(TORCH_DTYPES)}, fp8) for the KV cache")
+    raise ValueError(
+        f"the model's weights are {dtype}; pass --kv-cache-dtype (one of "
+        f"{', '.join(TORCH_DTYPES)}, fp8) for the KV cache"
+    )
 
 
 def make_cache_spec(
-    hf_config: PretrainedConfig, model: torch.nn.Module, block_size: int, kv_cache_dtype: str = "auto"
+    hf_config: PretrainedConfig,
+    model: torch.nn.Module,
+    block_size: int,
+    kv_cache_dtype: str = "auto",
 ) -> CacheSpec:
     """Full-attention KV layout from the model's config.
 
@@ -55,8 +60,9 @@ def make_cache_spec(
     )
 
 
-def kv_cache_num_blocks(config: EngineConfig, spec: CacheSpec, device: torch.device,
-                        model: torch.nn.Module) -> int:
+def kv_cache_num_blocks(
+    config: EngineConfig, spec: CacheSpec, device: torch.device, model: torch.nn.Module
+) -> int:
     """`num_kv_blocks` if given; on CPU the `kv_cache_memory` budget; on CUDA what
     `gpu_memory_utilization` leaves after the weights and a forward pass's activations."""
     cache = config.cache
@@ -66,9 +72,16 @@ def kv_cache_num_blocks(config: EngineConfig, spec: CacheSpec, device: torch.dev
         torch.cuda.synchronize(device)
         _, total = torch.cuda.mem_get_info(device)
         hidden_size = getattr(model.config, "hidden_size", 4096)
-        activations = (config.scheduler.max_num_batched_tokens * hidden_size
-                       * _ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN)
-        budget = int(total * cache.gpu_memory_utilization) - torch.cuda.memory_allocated(device) - activations
+        activations = (
+            config.scheduler.max_num_batched_tokens
+            * hidden_size
+            * _ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN
+        )
+        budget = (
+            int(total * cache.gpu_memory_utilization)
+            - torch.cuda.memory_allocated(device)
+            - activations
+        )
     else:
         budget = parse_bytes(cache.kv_cache_memory)
     num_blocks = spec.num_blocks_for_budget(max(budget, 0))

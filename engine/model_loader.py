@@ -26,8 +26,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from cache.cache_engine import TORCH_DTYPES
-from configs.engine import DEFAULT_MODEL, ModelConfig
+from pagedserve.cache.cache_engine import TORCH_DTYPES
+from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,9 @@ def _convert_default_model(models_dir: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
         )
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, local_files_only=True
+        )
         # The weights are already dequantized; only the GGUF marker blocks save_pretrained.
         model.hf_quantizer = None
         del model.config.quantization_config
@@ -168,14 +170,24 @@ def load_model(
         tokenizer_path, trust_remote_code=model_config.trust_remote_code, local_files_only=True
     )
     max_model_len = _max_model_len(model.config, model_config.max_model_len)
-    logger.info("loaded %s (%s, %s) from %s, max_model_len=%d",
-                model_config.model, dtype, device, model_path, max_model_len)
+    logger.info(
+        "loaded %s (%s, %s) from %s, max_model_len=%d",
+        model_config.model,
+        dtype,
+        device,
+        model_path,
+        max_model_len,
+    )
     return LoadedModel(model, tokenizer, model.config, model_path, max_model_len)
 
 
 def _max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
     model_limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
     if requested is not None and requested > model_limit:
-        logger.warning("max_model_len %d exceeds the model's %d positions; using %d",
-                       requested, model_limit, model_limit)
+        logger.warning(
+            "max_model_len %d exceeds the model's %d positions; using %d",
+            requested,
+            model_limit,
+            model_limit,
+        )
     return min(model_limit, requested or DEFAULT_MAX_MODEL_LEN)

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 from transformers import AttentionInterface
 
-from cache.attention import AttentionBackend, AttentionMetadata
-from cache.cache_engine import CacheEngine
-from scheduler import SchedulerOutput
+from pagedserve.cache.attention import AttentionBackend, AttentionMetadata
+from pagedserve.cache.cache_engine import CacheEngine
+from pagedserve.scheduler import SchedulerOutput
 
 ATTN_IMPLEMENTATION = "pagedserve"
 
@@ -49,10 +49,15 @@ def paged_attention_forward(
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"the paged attention backends do not implement {name!r}")
     layer_idx = module.layer_idx
-    key_cache, value_cache = paged_context.key_caches[layer_idx], paged_context.value_caches[layer_idx]
+    key_cache, value_cache = (
+        paged_context.key_caches[layer_idx],
+        paged_context.value_caches[layer_idx],
+    )
     meta, backend = paged_context.meta, paged_context.backend
     # [num_tokens, heads, head_dim] views: the kernels take strided inputs
-    backend.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache, meta.slot_mapping)
+    backend.store_kv(
+        key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache, meta.slot_mapping
+    )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = backend.forward(query[0].transpose(0, 1), key_cache, value_cache, meta, scale)
     return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
@@ -80,15 +85,21 @@ def check_paged_attention_support(model: torch.nn.Module) -> None:
         # transformers keeps eager/sdpa, with only a warning, for classes that do not route
         # attention through AttentionInterface: each step would then attend over its own tokens
         # only, across requests, with no history.
-        raise ValueError(f"{name} does not route attention through transformers' "
-                         "AttentionInterface, so it cannot read the paged KV cache")
+        raise ValueError(
+            f"{name} does not route attention through transformers' "
+            "AttentionInterface, so it cannot read the paged KV cache"
+        )
     if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"{name} soft-caps attention logits, which the paged kernels do not implement")
+        raise ValueError(
+            f"{name} soft-caps attention logits, which the paged kernels do not implement"
+        )
     for rope in (getattr(config, "rope_scaling", None), getattr(config, "rope_parameters", None)):
         rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
         if rope_type in _BATCH_DEPENDENT_ROPE:
-            raise ValueError(f"{name} uses {rope_type!r} RoPE scaling, which depends on the longest "
-                             "sequence in a batch and would mix requests; it is not supported")
+            raise ValueError(
+                f"{name} uses {rope_type!r} RoPE scaling, which depends on the longest "
+                "sequence in a batch and would mix requests; it is not supported"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +113,9 @@ class PreparedBatch:
 class ModelRunner:
     """Runs all scheduled tokens of all requests as one flattened batch; logits only where sampled."""
 
-    def __init__(self, model: torch.nn.Module, cache_engine: CacheEngine, backend: AttentionBackend) -> None:
+    def __init__(
+        self, model: torch.nn.Module, cache_engine: CacheEngine, backend: AttentionBackend
+    ) -> None:
         self.model = model
         self.cache_engine = cache_engine
         self.backend = backend
@@ -126,7 +139,9 @@ class ModelRunner:
             if scheduled.needs_sample:
                 logits_indices.append(len(input_ids) - 1)
         max_num_blocks = max(len(s.block_ids) for s in plan.requests)
-        block_tables = [s.block_ids + [0] * (max_num_blocks - len(s.block_ids)) for s in plan.requests]
+        block_tables = [
+            s.block_ids + [0] * (max_num_blocks - len(s.block_ids)) for s in plan.requests
+        ]
 
         def tensor(values: list, dtype: torch.dtype) -> Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from configs import SamplingParams
-from engine.outputs import TokenLogprob
+from pagedserve.configs import SamplingParams
+from pagedserve.engine.outputs import TokenLogprob
 
 
 @dataclass(slots=True)
@@ -32,8 +32,12 @@ class SamplingRow:
         """False when plain argmax over the raw logits is the answer."""
         params = self.params
         return not (
-            params.is_greedy and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and not params.logit_bias and not self.banned_token_ids
+            params.is_greedy
+            and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0
+            and not params.logit_bias
+            and not self.banned_token_ids
             and params.logprobs is None
         )
 
@@ -75,7 +79,11 @@ class Sampler:
         logprob = None
         if raw_logprobs is not None:
             top = raw_logprobs.topk(params.logprobs) if params.logprobs else None
-            alternatives = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+            alternatives = (
+                tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                if top is not None
+                else ()
+            )
             logprob = TokenLogprob(token_id, float(raw_logprobs[token_id]), alternatives)
         return SampleResult(token_id, logprob)
 
@@ -92,7 +100,9 @@ class Sampler:
             penalty = params.repetition_penalty
             logits[seen] = torch.where(selected > 0, selected / penalty, selected * penalty)
         if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
-            counts = torch.bincount(torch.tensor(row.output_token_ids), minlength=vocab_size)[:vocab_size]
+            counts = torch.bincount(torch.tensor(row.output_token_ids), minlength=vocab_size)[
+                :vocab_size
+            ]
             logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
         if row.banned_token_ids:
             logits[row.banned_token_ids] = float("-inf")

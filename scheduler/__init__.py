@@ -3,9 +3,14 @@
 Pure Python (no torch). Grows block tables through `cache.BlockManager`, knows no tensors.
 """
 
-from scheduler.output import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
-from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import AdmissionError, Scheduler
+from pagedserve.scheduler.output import (
+    ModelRunnerOutput,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.scheduler import AdmissionError, Scheduler
 
 __all__ = [
     "AdmissionError",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.request import RequestStatus
+from pagedserve.scheduler.request import RequestStatus
 
 
 @dataclass(frozen=True, slots=True)

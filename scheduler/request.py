@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from configs import SamplingParams
+from pagedserve.configs import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -29,10 +29,15 @@ import bisect
 import time
 from collections import deque
 
-from cache.block_manager import BlockManager
-from configs import SchedulerConfig
-from scheduler.output import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
-from scheduler.request import Request, RequestStatus
+from pagedserve.cache.block_manager import BlockManager
+from pagedserve.configs import SchedulerConfig
+from pagedserve.scheduler.output import (
+    ModelRunnerOutput,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from pagedserve.scheduler.request import Request, RequestStatus
 
 
 class AdmissionError(ValueError):
@@ -43,12 +48,12 @@ class AdmissionError(ValueError):
         self.param = param
 
 
-
-
 class Scheduler:
     """Decides, every step, which requests run and how many tokens each gets."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -71,20 +76,26 @@ class Scheduler:
         if num_prompt_tokens >= self.max_model_len:
             raise AdmissionError(
                 f"the prompt has {num_prompt_tokens} tokens, but this model's context is "
-                f"{self.max_model_len} tokens (prompt + at least 1 output token must fit)", "prompt")
+                f"{self.max_model_len} tokens (prompt + at least 1 output token must fit)",
+                "prompt",
+            )
         # The last sampled token is returned, never fed back: it needs no slot.
         total = min(num_prompt_tokens + max_tokens - 1, self.max_model_len)
         if not self.block_manager.can_ever_fit(total):
             capacity = self.block_manager.pool.num_blocks * self.block_manager.block_size
             raise AdmissionError(
                 f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
-                f"{total} KV slots, but the whole cache holds {capacity}", "max_tokens")
+                f"{total} KV slots, but the whole cache holds {capacity}",
+                "max_tokens",
+            )
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises AdmissionError (nothing queued) if it can never fit."""
         self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
         if request.request_id in self.requests:
-            raise AdmissionError(f"request id {request.request_id!r} is already in use", "request_id")
+            raise AdmissionError(
+                f"request id {request.request_id!r} is already in use", "request_id"
+            )
         self.requests[request.request_id] = request
         if request.parent_request_id is not None:
             self.fork_waiting.append(request)
@@ -158,7 +169,12 @@ class Scheduler:
                 index += 1
             # else: `request` itself was preempted and left `running`; the same index is next.
 
-        while self.waiting and token_budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and token_budget > 0
+            and not preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting[0]
             if not self._admit(request, token_budget):
                 break
@@ -173,7 +189,9 @@ class Scheduler:
             block_copies=self.block_manager.take_block_copies(),
         )
 
-    def _reserve_or_preempt(self, request: Request, num_new_tokens: int, preempted: list[str]) -> bool:
+    def _reserve_or_preempt(
+        self, request: Request, num_new_tokens: int, preempted: list[str]
+    ) -> bool:
         """Grow `request`'s table for this step, preempting others until it fits (or itself)."""
         while not self.block_manager.allocate_slots(
             request.request_id, num_new_tokens, request.num_computed_tokens
@@ -240,7 +258,9 @@ class Scheduler:
                     continue  # prompt still being prefilled
                 if len(self.running) >= self.config.max_num_seqs:
                     continue
-                self.block_manager.fork(parent.request_id, child.request_id, child.num_prompt_tokens)
+                self.block_manager.fork(
+                    parent.request_id, child.request_id, child.num_prompt_tokens
+                )
                 # Recompute the last prompt token: it yields this choice's own first logits, and its
                 # write into the shared block is what copy-on-write splits.
                 child.num_computed_tokens = child.num_prompt_tokens - 1
@@ -270,7 +290,9 @@ class Scheduler:
 
     # ---- after the forward pass ------------------------------------------------------------
 
-    def update_from_output(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+    def update_from_output(
+        self, plan: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
         """Advance progress by what was computed, append sampled tokens, stop and free finished."""
         updates = []
         now = time.monotonic()
@@ -280,7 +302,10 @@ class Scheduler:
                 continue
             request.num_computed_tokens += scheduled.num_new_tokens
             self.block_manager.cache_computed_blocks(
-                request.request_id, request.all_token_ids, request.num_computed_tokens, request.cache_salt
+                request.request_id,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                request.cache_salt,
             )
             if not scheduled.needs_sample:
                 continue

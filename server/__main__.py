@@ -1,5 +1,5 @@
-"""`python -m server ...`: the same as the `pagedserve` console script."""
+"""`python -m pagedserve.server ...`: the same as the `pagedserve` console script."""
 
-from server.cli import main
+from pagedserve.server.cli import main
 
 main()

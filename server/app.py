@@ -9,25 +9,30 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from configs import EngineConfig
-from engine.client import EngineClient
-from server.errors import install_exception_handlers
-from server.metrics import ServerMetrics
-from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
-from server.routes import chat, completions, models, system, tokenize
+from pagedserve.configs import EngineConfig
+from pagedserve.engine.client import EngineClient
+from pagedserve.server.errors import install_exception_handlers
+from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestContextMiddleware,
+)
+from pagedserve.server.routes import chat, completions, models, system, tokenize
 
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     if app.state.engine is None:
         # Imported here so that apps built around a fake engine (tests) never import torch.
-        from engine.async_engine import AsyncEngine
+        from pagedserve.engine.async_engine import AsyncEngine
 
         app.state.engine = AsyncEngine.from_config(app.state.config)
     engine: EngineClient = app.state.engine
     await engine.start()
-    app.state.metrics = ServerMetrics(engine.model_name, engine.stats,
-                                      engine.drain_step_token_counts, engine.max_model_len)
+    app.state.metrics = ServerMetrics(
+        engine.model_name, engine.stats, engine.drain_step_token_counts, engine.max_model_len
+    )
     app.state.started_at = int(time.time())
     app.state.stop_requests = asyncio.Event()  # set by `begin_shutdown` once the grace is over
     try:

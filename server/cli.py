@@ -21,9 +21,9 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
-from configs import EngineConfig, SamplingParams, SamplingParamsError, load_engine_config
-from configs.engine import SECTIONS
-from server.app import begin_shutdown, create_app
+from pagedserve.configs import EngineConfig, SamplingParams, SamplingParamsError, load_engine_config
+from pagedserve.configs.engine import SECTIONS
+from pagedserve.server.app import begin_shutdown, create_app
 
 BENCHMARKS = ("throughput", "serving", "memory", "step", "attention", "block_pool")
 ENGINE_SECTIONS = ("model", "cache", "scheduler")
@@ -48,12 +48,18 @@ def _add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str]) 
         for name, field in SECTIONS[section].model_fields.items():
             description = (field.description or "").replace("%", "%%")
             group.add_argument(
-                "--" + name.replace("_", "-"), dest=name,
+                "--" + name.replace("_", "-"),
+                dest=name,
                 default=argparse.SUPPRESS,  # absent unless given: see the module docstring
                 help=f"{description} (default: {field.default})",
-                **_flag_kwargs(field.annotation))
-    parser.add_argument("--config", metavar="FILE", default=None,
-                        help="YAML config file or preset name (default: $PAGEDSERVE_CONFIG)")
+                **_flag_kwargs(field.annotation),
+            )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="YAML config file or preset name (default: $PAGEDSERVE_CONFIG)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,18 +68,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _add_config_flags(serve, list(SECTIONS))
-    serve.add_argument("--timeout-graceful-shutdown", type=float, metavar="SECONDS",
-                       default=DEFAULT_GRACEFUL_SHUTDOWN_S,
-                       help="on SIGTERM, how long open requests may still run before they are "
-                            f"ended with a final event (default: {DEFAULT_GRACEFUL_SHUTDOWN_S})")
+    serve.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        metavar="SECONDS",
+        default=DEFAULT_GRACEFUL_SHUTDOWN_S,
+        help="on SIGTERM, how long open requests may still run before they are "
+        f"ended with a final event (default: {DEFAULT_GRACEFUL_SHUTDOWN_S})",
+    )
 
     generate = commands.add_parser("generate", help="complete one prompt offline and print it")
     generate.add_argument("prompt")
     generate.add_argument("--max-tokens", type=int, default=64, help="(default: 64)")
-    generate.add_argument("--temperature", type=float, default=0.0,
-                          help="0 is greedy (default: 0.0)")
-    generate.add_argument("--chat", action="store_true",
-                          help="wrap the prompt as a user message in the chat template")
+    generate.add_argument(
+        "--temperature", type=float, default=0.0, help="0 is greedy (default: 0.0)"
+    )
+    generate.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
+    )
     _add_config_flags(generate, ENGINE_SECTIONS)
 
     bench = commands.add_parser("bench", help="run a benchmark: benchmarks.<NAME>.main(args)")
@@ -82,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
-                     ) -> EngineConfig:
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> EngineConfig:
     given = {name: value for name, value in vars(args).items() if name in CONFIG_FIELDS}
     return load_engine_config(cli=given, config_file=args.config, environ=environ)
 
@@ -104,9 +117,16 @@ class GracefulServer(uvicorn.Server):
 
 def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
     grace_s = args.timeout_graceful_shutdown
-    server = GracefulServer(uvicorn.Config(
-        create_app(config), host=config.server.host, port=config.server.port,
-        log_level=config.server.log_level, timeout_graceful_shutdown=grace_s + 5), grace_s)
+    server = GracefulServer(
+        uvicorn.Config(
+            create_app(config),
+            host=config.server.host,
+            port=config.server.port,
+            log_level=config.server.log_level,
+            timeout_graceful_shutdown=grace_s + 5,
+        ),
+        grace_s,
+    )
     # uvicorn re-raises a captured SIGTERM once its graceful shutdown is done; the default handler
     # would then kill us with status 143 although the shutdown was clean.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
@@ -116,17 +136,20 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
 
 
 def _generate(args: argparse.Namespace, config: EngineConfig, params: SamplingParams) -> None:
-    from engine.llm import LLM  # imports torch: only when needed
+    from pagedserve.engine.llm import LLM  # imports torch: only when needed
 
-    engine_kwargs = {name: value for section in ENGINE_SECTIONS
-                     for name, value in getattr(config, section).model_dump(
-                         exclude_defaults=True).items()}
+    engine_kwargs = {
+        name: value
+        for section in ENGINE_SECTIONS
+        for name, value in getattr(config, section).model_dump(exclude_defaults=True).items()
+    }
     engine_kwargs.pop("model", None)
     llm = LLM(model=config.model.model, **engine_kwargs)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
     (output,) = llm.generate([prompt], params)
     sys.stdout.write(output.outputs[0].text + "\n")
 
@@ -135,14 +158,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":
-        result = importlib.import_module(f"benchmarks.{args.name}").main(args.args)
+        result = importlib.import_module(f"pagedserve.benchmarks.{args.name}").main(args.args)
         sys.exit(result if isinstance(result, int) else 0)
     try:
         config = config_from_args(args)
     except ValidationError as exc:  # one line per run, naming each field
-        parser.error("invalid configuration: " + "; ".join(
-            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
-            for error in exc.errors()))
+        parser.error(
+            "invalid configuration: "
+            + "; ".join(
+                f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
+                for error in exc.errors()
+            )
+        )
     except (ValueError, OSError) as exc:
         parser.error(f"invalid configuration: {exc}")
     params = None
@@ -151,8 +178,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
         except SamplingParamsError as exc:
             parser.error(str(exc))
-    logging.basicConfig(level=config.server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if args.command == "serve":
         _serve(args, config)
     else:

@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from configs import SamplingParamsError
-from engine.errors import (
+from pagedserve.configs import SamplingParamsError
+from pagedserve.engine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
@@ -49,8 +49,9 @@ class APIError(Exception):
         # Messages quote client input, which may hold lone surrogates ("\ud800" in JSON) that
         # cannot be encoded as UTF-8: they are shown escaped rather than failing the response.
         message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
-        return {"error": {"message": message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {"message": message, "type": self.type, "param": self.param, "code": self.code}
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status_code)
@@ -65,8 +66,9 @@ class ServerShuttingDownError(APIError):
     aborted and the client gets this as a final event (or a 503)."""
 
     def __init__(self) -> None:
-        super().__init__(503, "The server is shutting down.", type="server_error",
-                         code="shutting_down")
+        super().__init__(
+            503, "The server is shutting down.", type="server_error", code="shutting_down"
+        )
 
 
 def invalid_request(message: str, param: str | None = None) -> APIError:
@@ -74,8 +76,9 @@ def invalid_request(message: str, param: str | None = None) -> APIError:
 
 
 def model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist.", param="model",
-                    code="model_not_found")
+    return APIError(
+        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+    )
 
 
 def to_api_error(exc: Exception) -> APIError:
@@ -85,11 +88,16 @@ def to_api_error(exc: Exception) -> APIError:
     if isinstance(exc, (InvalidRequestError, SamplingParamsError)):
         return invalid_request(str(exc), param=exc.param)
     if isinstance(exc, EngineOverloadedError):
-        return APIError(429, str(exc) or "The server is overloaded; retry later.",
-                        type="rate_limit_error", code="engine_overloaded")
+        return APIError(
+            429,
+            str(exc) or "The server is overloaded; retry later.",
+            type="rate_limit_error",
+            code="engine_overloaded",
+        )
     if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc) or "The engine is not running.", type="server_error",
-                        code="engine_dead")
+        return APIError(
+            503, str(exc) or "The engine is not running.", type="server_error", code="engine_dead"
+        )
     if isinstance(exc, RequestFailedError):
         return APIError(500, str(exc) or "The request failed in the engine.", type="server_error")
     return APIError(500, "Internal server error.", type="server_error", code="internal_error")
@@ -114,23 +122,28 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     same_field = [error for error in errors if tuple(error["loc"])[1:2] == location[:1]]
     for error in same_field:
         other = tuple(error["loc"])[1:]
-        while other[:len(location)] != location:
+        while other[: len(location)] != location:
             location = location[:-1]
     param = _param_from_location(location)
     if param is None:
-        return invalid_request("The request body must be a JSON object "
-                               "(sent with Content-Type: application/json).")
+        return invalid_request(
+            "The request body must be a JSON object (sent with Content-Type: application/json)."
+        )
     messages = "; ".join(dict.fromkeys(error.get("msg", "invalid") for error in same_field))
     return invalid_request(f"Invalid value for '{param}': {messages}.", param)
 
 
 def _http_error(request: Request, exc: StarletteHTTPException) -> APIError:
     if exc.status_code == 404:
-        return APIError(404, f"Invalid URL ({request.method} {request.url.path}).",
-                        code="not_found")
+        return APIError(
+            404, f"Invalid URL ({request.method} {request.url.path}).", code="not_found"
+        )
     if exc.status_code == 405:
-        return APIError(405, f"Method {request.method} is not allowed for {request.url.path}.",
-                        code="method_not_allowed")
+        return APIError(
+            405,
+            f"Method {request.method} is not allowed for {request.url.path}.",
+            code="method_not_allowed",
+        )
     if exc.status_code == 413:
         return APIError(413, str(exc.detail), code="request_too_large")
     if exc.status_code == 400:  # Starlette/FastAPI's body parser, e.g. invalid UTF-8
@@ -161,8 +174,14 @@ def install_exception_handlers(app: FastAPI) -> None:
         logger.exception("request %s failed with an unexpected error", request_id)
         return to_api_error(exc).response()
 
-    for known in (APIError, InvalidRequestError, SamplingParamsError, EngineOverloadedError,
-                  EngineDeadError, RequestFailedError):
+    for known in (
+        APIError,
+        InvalidRequestError,
+        SamplingParamsError,
+        EngineOverloadedError,
+        EngineDeadError,
+        RequestFailedError,
+    ):
         app.add_exception_handler(known, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

@@ -10,18 +10,18 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from configs import SamplingParams, SamplingParamsError
-from engine.client import EngineClient
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from engine.outputs import RequestDelta
-from server.errors import (
+from pagedserve.configs import SamplingParams, SamplingParamsError
+from pagedserve.engine.client import EngineClient
+from pagedserve.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedserve.engine.outputs import RequestDelta
+from pagedserve.server.errors import (
     APIError,
     ClientDisconnectedError,
     ServerShuttingDownError,
     to_api_error,
 )
-from server.recorder import RequestRecorder
-from server.streams import merge_streams, prepend, until_stopped
+from pagedserve.server.recorder import RequestRecorder
+from pagedserve.server.streams import merge_streams, prepend, until_stopped
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +64,19 @@ async def _recorded(stream: AsyncIterator[Item], recorder: RequestRecorder) -> A
         recorder.close(unfinished_reason)
 
 
-async def start_generation(request: Request, inputs: list[EngineInput],
-                           recorder: RequestRecorder) -> AsyncIterator[Item]:
+async def start_generation(
+    request: Request, inputs: list[EngineInput], recorder: RequestRecorder
+) -> AsyncIterator[Item]:
     """Queue every prompt and wait for the first delta, so that engine errors raised before it
     (invalid, overloaded, dead) still become HTTP errors; then return the whole stream."""
     engine: EngineClient = request.app.state.engine
     request_id = recorder.request_id
-    streams = [engine.generate(item.token_ids, item.params, engine_request_id(request_id, index),
-                               item.priority)
-               for index, item in enumerate(inputs)]
+    streams = [
+        engine.generate(
+            item.token_ids, item.params, engine_request_id(request_id, index), item.priority
+        )
+        for index, item in enumerate(inputs)
+    ]
 
     async def abort_all() -> None:
         # Closing the iterators already aborts; an explicit abort also covers a request the
@@ -80,8 +84,9 @@ async def start_generation(request: Request, inputs: list[EngineInput],
         for index in range(len(inputs)):
             await engine.abort(engine_request_id(request_id, index))
 
-    guarded = until_stopped(merge_streams(streams), request.receive,
-                            request.app.state.stop_requests, abort_all)
+    guarded = until_stopped(
+        merge_streams(streams), request.receive, request.app.state.stop_requests, abort_all
+    )
     stream = _recorded(guarded, recorder)
     try:
         first = await anext(stream)

@@ -19,18 +19,80 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-from engine.outputs import EngineStats, RequestTimings
+from pagedserve.engine.outputs import EngineStats, RequestTimings
 
 PREFIX = "pagedserve:"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # Buckets as vLLM's, so dashboards built for it read ours.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                          5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_TOKEN_LATENCY_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 def _token_count_buckets(max_value: int) -> tuple[float, ...]:
@@ -95,58 +157,103 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, documentation, labels=["model_name"])
             counter.add_metric(labels, values[name])
             yield counter
-        info = InfoMetricFamily(PREFIX + "cache_config", "Information of the KV-cache config.",
-                                labels=["model_name"])
-        info.add_metric(labels, {"block_size": str(stats.block_size),
-                                 "num_blocks": str(stats.num_total_blocks),
-                                 "cache_dtype": stats.cache_dtype})
+        info = InfoMetricFamily(
+            PREFIX + "cache_config", "Information of the KV-cache config.", labels=["model_name"]
+        )
+        info.add_metric(
+            labels,
+            {
+                "block_size": str(stats.block_size),
+                "num_blocks": str(stats.num_total_blocks),
+                "cache_dtype": stats.cache_dtype,
+            },
+        )
         yield info
 
 
 class ServerMetrics:
     """All metrics of one app; `render()` produces the /metrics body."""
 
-    def __init__(self, model_name: str, read_stats: Callable[[], EngineStats],
-                 drain_step_token_counts: Callable[[], list[int]], max_model_len: int) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        read_stats: Callable[[], EngineStats],
+        drain_step_token_counts: Callable[[], list[int]],
+        max_model_len: int,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(read_stats, model_name))
         self.drain_step_token_counts = drain_step_token_counts
         self.model_name = model_name
 
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, documentation, ["model_name"], buckets=buckets,
-                             registry=self.registry)
+            return Histogram(
+                PREFIX + name,
+                documentation,
+                ["model_name"],
+                buckets=buckets,
+                registry=self.registry,
+            )
 
         token_buckets = _token_count_buckets(max_model_len)
         self._histograms = {
-            "ttft": histogram("time_to_first_token_seconds", "Time from arrival at the server "
-                              "(tokenization included) to the first token.", _TTFT_BUCKETS),
-            "itl": histogram("inter_token_latency_seconds", "Time between consecutive tokens.",
-                             _TOKEN_LATENCY_BUCKETS),
-            "tpot": histogram("request_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.",
-                              _TOKEN_LATENCY_BUCKETS),
-            "e2e": histogram("e2e_request_latency_seconds", "End-to-end request latency.",
-                             _REQUEST_LATENCY_BUCKETS),
-            "queue": histogram("request_queue_time_seconds", "Time spent waiting to be scheduled.",
-                               _REQUEST_LATENCY_BUCKETS),
-            "prefill": histogram("request_prefill_time_seconds", "Time spent in prefill.",
-                                 _REQUEST_LATENCY_BUCKETS),
-            "decode": histogram("request_decode_time_seconds", "Time spent in decode.",
-                                _REQUEST_LATENCY_BUCKETS),
-            "prompt_tokens": histogram("request_prompt_tokens", "Prompt tokens per request.",
-                                       token_buckets),
-            "generation_tokens": histogram("request_generation_tokens",
-                                           "Generated tokens per request.", token_buckets),
-            "iteration_tokens": histogram("iteration_tokens_total", "Tokens scheduled per step.",
-                                          _token_count_buckets(max(16384, max_model_len))),
+            "ttft": histogram(
+                "time_to_first_token_seconds",
+                "Time from arrival at the server (tokenization included) to the first token.",
+                _TTFT_BUCKETS,
+            ),
+            "itl": histogram(
+                "inter_token_latency_seconds",
+                "Time between consecutive tokens.",
+                _TOKEN_LATENCY_BUCKETS,
+            ),
+            "tpot": histogram(
+                "request_time_per_output_token_seconds",
+                "Mean time per output token after the first, per request.",
+                _TOKEN_LATENCY_BUCKETS,
+            ),
+            "e2e": histogram(
+                "e2e_request_latency_seconds",
+                "End-to-end request latency.",
+                _REQUEST_LATENCY_BUCKETS,
+            ),
+            "queue": histogram(
+                "request_queue_time_seconds",
+                "Time spent waiting to be scheduled.",
+                _REQUEST_LATENCY_BUCKETS,
+            ),
+            "prefill": histogram(
+                "request_prefill_time_seconds", "Time spent in prefill.", _REQUEST_LATENCY_BUCKETS
+            ),
+            "decode": histogram(
+                "request_decode_time_seconds", "Time spent in decode.", _REQUEST_LATENCY_BUCKETS
+            ),
+            "prompt_tokens": histogram(
+                "request_prompt_tokens", "Prompt tokens per request.", token_buckets
+            ),
+            "generation_tokens": histogram(
+                "request_generation_tokens", "Generated tokens per request.", token_buckets
+            ),
+            "iteration_tokens": histogram(
+                "iteration_tokens_total",
+                "Tokens scheduled per step.",
+                _token_count_buckets(max(16384, max_model_len)),
+            ),
         }
-        success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
-                          ["model_name", "finished_reason"], registry=self.registry)
+        success = Counter(
+            PREFIX + "request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         # Every reason is exported from the start, so rate() works before the first abort.
         self._success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        self._aborted = Counter(PREFIX + "request_aborted", "Requests aborted before finishing.",
-                                ["model_name"], registry=self.registry).labels(model_name)
+        self._aborted = Counter(
+            PREFIX + "request_aborted",
+            "Requests aborted before finishing.",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(model_name)
 
     def observe(self, name: str, value: float) -> None:
         self._histograms[name].labels(self.model_name).observe(value)

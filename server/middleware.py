@@ -13,7 +13,7 @@ import uuid
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import APIError
+from pagedserve.server.errors import APIError
 
 # Probes and scrapers must work without the key; everything else, unknown paths included, needs it.
 UNGUARDED_PATHS = frozenset({"/health", "/version", "/metrics"})
@@ -36,8 +36,10 @@ class RequestContextMiddleware:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []),
-                                      (b"x-request-id", request_id.encode())]
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (b"x-request-id", request_id.encode()),
+                ]
             await send(message)
 
         await self.app(scope, receive, send_with_id)
@@ -56,8 +58,11 @@ class ApiKeyMiddleware:
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):  # constant time: no timing oracle
-            error = APIError(401, "Missing or incorrect API key; send 'Authorization: Bearer <key>'.",
-                             code="invalid_api_key")
+            error = APIError(
+                401,
+                "Missing or incorrect API key; send 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+            )
             await error.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)

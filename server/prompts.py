@@ -13,9 +13,9 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from engine.client import EngineClient
-from server.errors import invalid_request, model_not_found
-from server.protocol import ChatMessage
+from pagedserve.engine.client import EngineClient
+from pagedserve.server.errors import invalid_request, model_not_found
+from pagedserve.server.protocol import ChatMessage
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,21 +35,26 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
         if not 0 <= token_id < vocab_size:
             raise invalid_request(
                 f"Token id {token_id} is out of vocabulary (valid ids are 0..{vocab_size - 1}).",
-                param)
+                param,
+            )
 
 
-def encode_text(engine: EngineClient, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+def encode_text(
+    engine: EngineClient, text: str, param: str, add_special_tokens: bool = True
+) -> list[int]:
     """Tokenize user text; text that is not valid Unicode (a lone surrogate) is a 400."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise invalid_request("The text is not valid Unicode (it contains a lone surrogate).",
-                              param) from None
+        raise invalid_request(
+            "The text is not valid Unicode (it contains a lone surrogate).", param
+        ) from None
     return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]],
-                       engine: EngineClient) -> list[Prompt]:
+def completion_prompts(
+    prompt: str | list[str] | list[int] | list[list[int]], engine: EngineClient
+) -> list[Prompt]:
     """One `Prompt` per prompt of a /v1/completions request; empty prompts are rejected."""
     items: list[Any] = [prompt] if isinstance(prompt, str) else list(prompt)
     if items and isinstance(items[0], int):
@@ -59,7 +64,9 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]],
     if len(items) > engine.max_waiting_requests:  # each prompt is one engine request
         raise invalid_request(
             f"At most {engine.max_waiting_requests} prompts fit in one request (the server's "
-            f"max_waiting_requests); got {len(items)}.", "prompt")
+            f"max_waiting_requests); got {len(items)}.",
+            "prompt",
+        )
     prompts = []
     for item in items:
         if not item:
@@ -77,7 +84,8 @@ def chat_prompt(messages: list[ChatMessage], engine: EngineClient) -> Prompt:
     conversation = [message.to_template_message() for message in messages]
     try:
         text = engine.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False)
+            conversation, add_generation_prompt=True, tokenize=False
+        )
     except (ValueError, TemplateError) as exc:  # no template, or it rejects the conversation
         # (templates refuse e.g. a system role or turns that do not alternate by raising)
         raise invalid_request(f"Cannot apply the chat template: {exc}", "messages") from exc
@@ -85,16 +93,23 @@ def chat_prompt(messages: list[ChatMessage], engine: EngineClient) -> Prompt:
     return Prompt(encode_text(engine, text, "messages", add_special_tokens=False), text)
 
 
-def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int,
-                       max_model_len: int, prompt_param: str,
-                       max_tokens_param: str = "max_tokens") -> int:
+def resolve_max_tokens(
+    requested: int | None,
+    default: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    prompt_param: str,
+    max_tokens_param: str = "max_tokens",
+) -> int:
     """The max_tokens to run with. Absent: `default` capped at the remaining context (the whole
     remaining context when `default` is None). Raises 400 when the context cannot fit."""
     num_remaining_tokens = max_model_len - num_prompt_tokens
     if num_remaining_tokens < 1:
         raise invalid_request(
             f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{num_prompt_tokens} tokens, which leaves no room for a completion.", prompt_param)
+            f"{num_prompt_tokens} tokens, which leaves no room for a completion.",
+            prompt_param,
+        )
     if requested is None:
         return num_remaining_tokens if default is None else min(default, num_remaining_tokens)
     if requested > num_remaining_tokens:
@@ -102,7 +117,8 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_to
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
             f"prompt, {requested} for the completion). Reduce the prompt or {max_tokens_param}.",
-            max_tokens_param)
+            max_tokens_param,
+        )
     return requested
 
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from configs import SamplingParams
+from pagedserve.configs import SamplingParams
 
 
 class _Request(BaseModel):
@@ -29,7 +29,9 @@ class _Request(BaseModel):
         return {
             key: value
             for key, value in data.items()
-            if value is not None or key not in cls.model_fields or cls.model_fields[key].is_required()
+            if value is not None
+            or key not in cls.model_fields
+            or cls.model_fields[key].is_required()
         }
 
 
@@ -72,8 +74,12 @@ class SamplingFields(_Request):
     ) -> SamplingParams:
         """Raises SamplingParamsError (naming the field) for out-of-range values."""
         optional = {
-            "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
@@ -113,8 +119,10 @@ class ChatMessage(_Request):
     def to_template_message(self) -> dict[str, str]:
         """The dict a chat template expects; `developer` is OpenAI's newer name for `system`."""
         role = "system" if self.role == "developer" else self.role
-        content = self.content if isinstance(self.content, str) else "\n".join(
-            part.text for part in self.content
+        content = (
+            self.content
+            if isinstance(self.content, str)
+            else "\n".join(part.text for part in self.content)
         )
         return {"role": role, "content": content}
 

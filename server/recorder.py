@@ -11,9 +11,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from engine.outputs import RequestDelta
-from server.metrics import ServerMetrics
-from server.protocol import UsageInfo
+from pagedserve.engine.outputs import RequestDelta
+from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.protocol import UsageInfo
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +29,23 @@ class _ChoiceState:
 class RequestRecorder:
     """Observes the deltas of one HTTP request (`(prompt_idx, delta)`) until `close()`."""
 
-    def __init__(self, metrics: ServerMetrics, request_id: str, arrival_time: float,
-                 prompt_lengths: list[int], n: int) -> None:
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        request_id: str,
+        arrival_time: float,
+        prompt_lengths: list[int],
+        n: int,
+    ) -> None:
         self.metrics = metrics
         self.request_id = request_id
         self.arrival_time = arrival_time
         self.prompt_lengths = prompt_lengths
-        self.choices = {(prompt_idx, index): _ChoiceState()
-                        for prompt_idx in range(len(prompt_lengths)) for index in range(n)}
+        self.choices = {
+            (prompt_idx, index): _ChoiceState()
+            for prompt_idx in range(len(prompt_lengths))
+            for index in range(n)
+        }
         self.is_closed = False
 
     def observe(self, prompt_idx: int, delta: RequestDelta) -> None:
@@ -68,8 +77,11 @@ class RequestRecorder:
     def usage(self) -> UsageInfo:
         num_prompt_tokens = sum(self.prompt_lengths)
         num_completion_tokens = sum(choice.num_output_tokens for choice in self.choices.values())
-        return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                         total_tokens=num_prompt_tokens + num_completion_tokens)
+        return UsageInfo(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=num_prompt_tokens + num_completion_tokens,
+        )
 
     def close(self, unfinished_reason: str | None) -> None:
         """Count choices that never finished (client gone: "abort"; failure: "error"; None: the
@@ -83,6 +95,11 @@ class RequestRecorder:
                 self._finish(prompt_idx, choice, unfinished_reason, now)
         usage = self.usage()
         reasons = sorted({choice.finish_reason or "rejected" for choice in self.choices.values()})
-        logger.info("request %s: prompt_tokens=%d completion_tokens=%d finish_reason=%s "
-                    "latency=%.3fs", self.request_id, usage.prompt_tokens, usage.completion_tokens,
-                    ",".join(reasons), now - self.arrival_time)
+        logger.info(
+            "request %s: prompt_tokens=%d completion_tokens=%d finish_reason=%s latency=%.3fs",
+            self.request_id,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            ",".join(reasons),
+            now - self.arrival_time,
+        )

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from server.errors import ClientDisconnectedError, ServerShuttingDownError, to_api_error
+from pagedserve.server.errors import ClientDisconnectedError, ServerShuttingDownError, to_api_error
 
 T = TypeVar("T")
 _DONE = object()
@@ -74,14 +74,18 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 
 
 async def until_stopped(
-    stream: AsyncIterator[T], receive: Receive, shutdown: asyncio.Event,
+    stream: AsyncIterator[T],
+    receive: Receive,
+    shutdown: asyncio.Event,
     on_stop: Callable[[], Awaitable[None]],
 ) -> AsyncIterator[T]:
     """Yield from `stream` until the client sends `http.disconnect` (ClientDisconnectedError) or
     `shutdown` is set (ServerShuttingDownError); either way close `stream` and await `on_stop()`
     before raising. Call only after the request body has been read."""
-    stops = {asyncio.ensure_future(_wait_for_disconnect(receive)): ClientDisconnectedError,
-             asyncio.ensure_future(shutdown.wait()): ServerShuttingDownError}
+    stops = {
+        asyncio.ensure_future(_wait_for_disconnect(receive)): ClientDisconnectedError,
+        asyncio.ensure_future(shutdown.wait()): ServerShuttingDownError,
+    }
     next_item: asyncio.Future[T] | None = None
     try:
         while True:
@@ -148,10 +152,12 @@ class EventStreamResponse(Response):
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
         async with aclosing(self.events):  # type: ignore[type-var]
             async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode(),
-                            "more_body": True})
+                await send(
+                    {"type": "http.response.body", "body": event.encode(), "more_body": True}
+                )
         await send({"type": "http.response.body", "body": b"", "more_body": False})

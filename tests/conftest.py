@@ -17,10 +17,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cache import BlockManager
-from cache.block_table import ceil_div
-from configs import SamplingParams, SchedulerConfig
-from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerOutput
+from pagedserve.cache import BlockManager
+from pagedserve.cache.block_table import ceil_div
+from pagedserve.configs import SamplingParams, SchedulerConfig
+from pagedserve.scheduler import (
+    ModelRunnerOutput,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerOutput,
+)
 
 # Helpers that assert, shared by several test files: rewritten like test files, so their failures
 # show the compared values. The root conftest loads before any test module imports them.
@@ -62,7 +68,11 @@ def fake_next_token(token_ids: Sequence[int], seed: int | None = None) -> int:
 
 def expected_output_token_ids(request: Request) -> list[int]:
     """What an unconstrained run generates for `request` if nothing stops it before max_tokens."""
-    state, seed, output = prefix_digests(request.prompt_token_ids)[-1], request.sampling_params.seed, []
+    state, seed, output = (
+        prefix_digests(request.prompt_token_ids)[-1],
+        request.sampling_params.seed,
+        [],
+    )
     for _ in range(request.sampling_params.max_tokens):
         output.append(_sample(state, seed or 0))
         state = _mix(state, output[-1])
@@ -146,7 +156,9 @@ class FakeModelRunner:
             digests.append(digest)
         return digests
 
-    def execute(self, plan: SchedulerOutput, forced: dict[str, int] | None = None) -> ModelRunnerOutput:
+    def execute(
+        self, plan: SchedulerOutput, forced: dict[str, int] | None = None
+    ) -> ModelRunnerOutput:
         size = self.block_size
         for src, dst in plan.block_copies:  # copy-on-write runs before the forward pass
             for offset in range(size):
@@ -168,9 +180,12 @@ class FakeModelRunner:
             request = self.scheduler.requests[scheduled.request_id]
             history = self.read_digests(scheduled.block_ids, scheduled.seq_len)
             assert history == prefix_digests(request.all_token_ids[: scheduled.seq_len]), (
-                f"{request.request_id} reads K/V of another prefix")
+                f"{request.request_id} reads K/V of another prefix"
+            )
             if scheduled.needs_sample:
-                sampled[scheduled.request_id] = _sample(history[-1], request.sampling_params.seed or 0)
+                sampled[scheduled.request_id] = _sample(
+                    history[-1], request.sampling_params.seed or 0
+                )
         sampled.update(forced or {})
         return ModelRunnerOutput(sampled)
 
@@ -178,7 +193,10 @@ class FakeModelRunner:
 def _snapshot(scheduler: Scheduler) -> dict[str, tuple[int, list[int] | None]]:
     tables = scheduler.block_manager.tables
     return {
-        request_id: (request.num_computed_tokens, list(tables[request_id].block_ids) if request_id in tables else None)
+        request_id: (
+            request.num_computed_tokens,
+            list(tables[request_id].block_ids) if request_id in tables else None,
+        )
         for request_id, request in scheduler.requests.items()
     }
 
@@ -189,7 +207,9 @@ def check_plan(scheduler: Scheduler, plan: SchedulerOutput, before: dict) -> Non
     size, blocks = block_manager.block_size, block_manager.pool.blocks
     assert plan.num_batched_tokens == sum(s.num_new_tokens for s in plan.requests)
     assert plan.num_batched_tokens <= config.max_num_batched_tokens
-    assert len(plan.requests) <= config.max_num_seqs and scheduler.num_running <= config.max_num_seqs
+    assert (
+        len(plan.requests) <= config.max_num_seqs and scheduler.num_running <= config.max_num_seqs
+    )
     assert len({s.request_id for s in plan.requests}) == len(plan.requests)
     written: set[int] = set()
     for scheduled in plan.requests:
@@ -205,10 +225,15 @@ def check_plan(scheduler: Scheduler, plan: SchedulerOutput, before: dict) -> Non
         ]
         assert scheduled.needs_sample == (end == request.num_tokens)
         for block_id in {slot // size for slot in scheduled.slot_mapping}:
-            assert blocks[block_id].ref_count == 1, f"{request.request_id} writes shared block {block_id}"
+            assert blocks[block_id].ref_count == 1, (
+                f"{request.request_id} writes shared block {block_id}"
+            )
         assert written.isdisjoint(scheduled.slot_mapping), "two requests write one slot"
         written.update(scheduled.slot_mapping)
-        if before.get(request.request_id, (0, None))[1] is not None and request.parent_request_id is None:
+        if (
+            before.get(request.request_id, (0, None))[1] is not None
+            and request.parent_request_id is None
+        ):
             assert len(table) == ceil_div(end, size), "a table grows by exactly what the step needs"
     scheduled_ids = {s.request_id for s in plan.requests}
     for request_id in plan.preempted_request_ids:
@@ -274,7 +299,9 @@ def step(
     return plan
 
 
-def run_to_completion(scheduler: Scheduler, runner: FakeModelRunner | None = None, max_steps: int = 5000) -> RunLog:
+def run_to_completion(
+    scheduler: Scheduler, runner: FakeModelRunner | None = None, max_steps: int = 5000
+) -> RunLog:
     """Step until no request is left, checking invariants every step; then check nothing leaked."""
     runner = runner or FakeModelRunner(scheduler)
     log = RunLog()

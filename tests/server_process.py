@@ -33,18 +33,35 @@ class ServerProcess:
     """Starts the server with `args` (flags after `serve`); `wait=False` returns at once so the
     caller can overlap other set-up with the model load, then call `wait_until_healthy()`."""
 
-    def __init__(self, *args: str, wait: bool = True, drop_env: tuple[str, ...] = (),
-                 log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        *args: str,
+        wait: bool = True,
+        drop_env: tuple[str, ...] = (),
+        log_level: str = "warning",
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         log_fd, self.log_path = tempfile.mkstemp(prefix="pagedserve-test-", suffix=".log")
         environ = {name: value for name, value in os.environ.items() if name not in drop_env}
         environ["PYTHONPATH"] = str(REPO_ROOT)
         environ.setdefault("OMP_NUM_THREADS", "1")
-        command = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1",
-                   "--port", str(self.port), "--log-level", log_level, *args]
-        self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log_fd,
-                                        stderr=subprocess.STDOUT, env=environ)
+        command = [
+            sys.executable,
+            "-m",
+            "server",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            log_level,
+            *args,
+        ]
+        self.process = subprocess.Popen(
+            command, cwd=REPO_ROOT, stdout=log_fd, stderr=subprocess.STDOUT, env=environ
+        )
         os.close(log_fd)  # the child has its own copy
         if wait:
             self.wait_until_healthy()
@@ -66,8 +83,10 @@ class ServerProcess:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"the server did not become healthy (exit code {self.process.poll()}):"
-                           f"\n{self.log_tail()}")
+        raise RuntimeError(
+            f"the server did not become healthy (exit code {self.process.poll()}):"
+            f"\n{self.log_tail()}"
+        )
 
     def stop(self) -> None:
         """SIGTERM (graceful shutdown), then SIGKILL after 30 s."""

@@ -14,8 +14,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from cache.attention.metadata import AttentionMetadata
-from cache.attention.torch_ref import TorchPagedAttention
+from pagedserve.cache.attention.metadata import AttentionMetadata
+from pagedserve.cache.attention.torch_ref import TorchPagedAttention
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +68,12 @@ def _make_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"the cpu attention backend cannot serve device {device}")
-        from cache.attention.cpu import CpuPagedAttention
+        from pagedserve.cache.attention.cpu import CpuPagedAttention
 
         return CpuPagedAttention()
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the triton attention backend needs CUDA, or TRITON_INTERPRET=1 on CPU")
-    from cache.attention.triton_backend import TritonPagedAttention
+    from pagedserve.cache.attention.triton_backend import TritonPagedAttention
 
     return TritonPagedAttention()
 

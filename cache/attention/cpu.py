@@ -19,8 +19,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from cache.attention.metadata import AttentionMetadata
-from cache.attention.torch_ref import TorchPagedAttention, store_kv_by_slot
+from pagedserve.cache.attention.metadata import AttentionMetadata
+from pagedserve.cache.attention.torch_ref import TorchPagedAttention, store_kv_by_slot
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,10 @@ def load_cpu_kernel() -> ModuleType:
         build_dir.mkdir(parents=True, exist_ok=True)
         flock = open(build_dir / "pagedserve.flock", "w")  # noqa: SIM115 - closed by the with below
     except OSError as error:  # e.g. a cache directory owned by another user
-        raise RuntimeError(f"cannot use the kernel cache {build_dir} ({error}); point "
-                           "$PAGEDSERVE_CACHE at a writable directory") from error
+        raise RuntimeError(
+            f"cannot use the kernel cache {build_dir} ({error}); point "
+            "$PAGEDSERVE_CACHE at a writable directory"
+        ) from error
     if not (build_dir / f"pagedserve_paged_attention_{key}.so").exists():
         logger.info(
             "building the CPU attention kernel in %s (first use, about a minute)", build_dir

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cache.attention.metadata import AttentionMetadata
+from pagedserve.cache.attention.metadata import AttentionMetadata
 
 
 def to_cache_dtype(values: Tensor, dtype: torch.dtype) -> Tensor:

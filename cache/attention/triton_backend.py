@@ -11,8 +11,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from cache.attention.metadata import AttentionMetadata
-from cache.attention.torch_ref import to_cache_dtype
+from pagedserve.cache.attention.metadata import AttentionMetadata
+from pagedserve.cache.attention.torch_ref import to_cache_dtype
 
 _BLOCK_N = 32  # key positions per step: [BLOCK_M, 32] scores stay in registers
 _MIN_BLOCK_M = 16  # tl.dot needs >= 16 rows on GPUs
@@ -20,7 +20,7 @@ _MIN_BLOCK_M = 16  # tl.dot needs >= 16 rows on GPUs
 
 def _load_kernels() -> ModuleType:
     try:
-        from cache.attention import triton_kernels
+        from pagedserve.cache.attention import triton_kernels
     except ImportError as error:
         raise RuntimeError(f"the triton attention backend needs triton: {error}") from error
     return triton_kernels

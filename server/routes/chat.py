@@ -10,11 +10,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.outputs import TokenLogprob
-from server.errors import invalid_request
-from server.generation import EngineInput, Item, start_generation
-from server.prompts import chat_prompt, check_model, parse_logit_bias, resolve_max_tokens
-from server.protocol import (
+from pagedserve.engine.outputs import TokenLogprob
+from pagedserve.server.errors import invalid_request
+from pagedserve.server.generation import EngineInput, Item, start_generation
+from pagedserve.server.prompts import chat_prompt, check_model, parse_logit_bias, resolve_max_tokens
+from pagedserve.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -26,8 +26,8 @@ from server.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
-from server.recorder import RequestRecorder
-from server.streams import EventStreamResponse, sse_events
+from pagedserve.server.recorder import RequestRecorder
+from pagedserve.server.streams import EventStreamResponse, sse_events
 
 router = APIRouter()
 
@@ -39,8 +39,9 @@ def _logprobs_count(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def _chat_logprobs(tokenizer: Any, entries: tuple[TokenLogprob, ...] | None,
-                   num_top: int) -> ChatLogprobs | None:
+def _chat_logprobs(
+    tokenizer: Any, entries: tuple[TokenLogprob, ...] | None, num_top: int
+) -> ChatLogprobs | None:
     if entries is None:
         return None
 
@@ -61,30 +62,52 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = request.app.state.engine
     check_model(body.model, engine)
     prompt = chat_prompt(body.messages, engine)
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None \
-        else body.max_tokens
-    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(requested, None, len(prompt.token_ids), engine.max_model_len,
-                                    "messages", max_tokens_param)
+    requested = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    max_tokens_param = (
+        "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    )
+    max_tokens = resolve_max_tokens(
+        requested, None, len(prompt.token_ids), engine.max_model_len, "messages", max_tokens_param
+    )
     num_top = _logprobs_count(body)
-    params = body.to_sampling_params(max_tokens, num_top,
-                                     parse_logit_bias(body.logit_bias, engine.vocab_size))
-    recorder = RequestRecorder(request.app.state.metrics, request.state.request_id,
-                               request.state.arrival_time, [len(prompt.token_ids)], params.n)
-    stream = await start_generation(request, [EngineInput(prompt.token_ids, params, body.priority)], recorder)
-    header = {"id": f"chatcmpl-{recorder.request_id}", "created": int(time.time()),
-              "model": engine.model_name}
+    params = body.to_sampling_params(
+        max_tokens, num_top, parse_logit_bias(body.logit_bias, engine.vocab_size)
+    )
+    recorder = RequestRecorder(
+        request.app.state.metrics,
+        request.state.request_id,
+        request.state.arrival_time,
+        [len(prompt.token_ids)],
+        params.n,
+    )
+    stream = await start_generation(
+        request, [EngineInput(prompt.token_ids, params, body.priority)], recorder
+    )
+    header = {
+        "id": f"chatcmpl-{recorder.request_id}",
+        "created": int(time.time()),
+        "model": engine.model_name,
+    }
     if body.stream:
-        chunks = _stream_chunks(stream, header, engine.tokenizer, params.n, num_top or 0,
-                                recorder, body.include_usage)
+        chunks = _stream_chunks(
+            stream, header, engine.tokenizer, params.n, num_top or 0, recorder, body.include_usage
+        )
         return EventStreamResponse(sse_events(chunks))
     response = await _collect(stream, header, engine.tokenizer, params.n, num_top or 0, recorder)
     return JSONResponse(response.model_dump())
 
 
-async def _stream_chunks(stream: AsyncIterator[Item], header: dict[str, Any], tokenizer: Any,
-                         n: int, num_top: int, recorder: RequestRecorder,
-                         include_usage: bool) -> AsyncIterator[str]:
+async def _stream_chunks(
+    stream: AsyncIterator[Item],
+    header: dict[str, Any],
+    tokenizer: Any,
+    n: int,
+    num_top: int,
+    recorder: RequestRecorder,
+    include_usage: bool,
+) -> AsyncIterator[str]:
     exclude = None if include_usage else {"usage"}  # "usage": null only when usage is asked for
 
     def chunk(choice: ChatChunkChoice) -> str:
@@ -98,14 +121,26 @@ async def _stream_chunks(stream: AsyncIterator[Item], header: dict[str, Any], to
             if not (delta.new_text or logprobs or delta.finished):
                 continue  # text held back by the detokenizer (partial character or stop string)
             content = ChatDelta(content=delta.new_text) if delta.new_text else ChatDelta()
-            yield chunk(ChatChunkChoice(index=delta.index, delta=content, logprobs=logprobs,
-                                        finish_reason=delta.finish_reason))
+            yield chunk(
+                ChatChunkChoice(
+                    index=delta.index,
+                    delta=content,
+                    logprobs=logprobs,
+                    finish_reason=delta.finish_reason,
+                )
+            )
     if include_usage:
         yield ChatCompletionChunk(**header, choices=[], usage=recorder.usage()).model_dump_json()
 
 
-async def _collect(stream: AsyncIterator[Item], header: dict[str, Any], tokenizer: Any, n: int,
-                   num_top: int, recorder: RequestRecorder) -> ChatCompletionResponse:
+async def _collect(
+    stream: AsyncIterator[Item],
+    header: dict[str, Any],
+    tokenizer: Any,
+    n: int,
+    num_top: int,
+    recorder: RequestRecorder,
+) -> ChatCompletionResponse:
     texts = [""] * n
     logprobs: list[ChatLogprobs | None] = [None] * n
     finish_reasons: list[str | None] = [None] * n
@@ -115,10 +150,21 @@ async def _collect(stream: AsyncIterator[Item], header: dict[str, Any], tokenize
             new_logprobs = _chat_logprobs(tokenizer, delta.new_logprobs, num_top)
             if new_logprobs is not None:
                 previous = logprobs[delta.index]
-                logprobs[delta.index] = new_logprobs if previous is None else ChatLogprobs(
-                    content=(previous.content or []) + (new_logprobs.content or []))
+                logprobs[delta.index] = (
+                    new_logprobs
+                    if previous is None
+                    else ChatLogprobs(
+                        content=(previous.content or []) + (new_logprobs.content or [])
+                    )
+                )
             finish_reasons[delta.index] = delta.finish_reason or finish_reasons[delta.index]
-    choices = [ChatChoice(index=index, message=ChatResponseMessage(content=texts[index]),
-                          logprobs=logprobs[index], finish_reason=finish_reasons[index])
-               for index in range(n)]
+    choices = [
+        ChatChoice(
+            index=index,
+            message=ChatResponseMessage(content=texts[index]),
+            logprobs=logprobs[index],
+            finish_reason=finish_reasons[index],
+        )
+        for index in range(n)
+    ]
     return ChatCompletionResponse(**header, choices=choices, usage=recorder.usage())

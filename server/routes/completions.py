@@ -10,23 +10,23 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.outputs import TokenLogprob
-from server.errors import invalid_request
-from server.generation import EngineInput, Item, start_generation
-from server.prompts import (
+from pagedserve.engine.outputs import TokenLogprob
+from pagedserve.server.errors import invalid_request
+from pagedserve.server.generation import EngineInput, Item, start_generation
+from pagedserve.server.prompts import (
     check_model,
     completion_prompts,
     parse_logit_bias,
     resolve_max_tokens,
 )
-from server.protocol import (
+from pagedserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
-from server.recorder import RequestRecorder
-from server.streams import EventStreamResponse, sse_events
+from pagedserve.server.recorder import RequestRecorder
+from pagedserve.server.streams import EventStreamResponse, sse_events
 
 router = APIRouter()
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -38,8 +38,10 @@ def _check_supported(body: CompletionRequest) -> None:
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise invalid_request("best_of must equal n (or be omitted).", "best_of")
     if body.echo and body.logprobs is not None:
-        raise invalid_request("echo with logprobs would need prompt logprobs, which this "
-                              "server does not compute.", "echo")
+        raise invalid_request(
+            "echo with logprobs would need prompt logprobs, which this server does not compute.",
+            "echo",
+        )
 
 
 class _ChoiceText:
@@ -50,15 +52,18 @@ class _ChoiceText:
         self.pending_prefix = prefix  # the echoed prompt, sent with the first piece
         self.num_chars = len(prefix)
 
-    def take(self, new_text: str, new_logprobs: tuple[TokenLogprob, ...] | None
-             ) -> tuple[str, CompletionLogprobs | None]:
+    def take(
+        self, new_text: str, new_logprobs: tuple[TokenLogprob, ...] | None
+    ) -> tuple[str, CompletionLogprobs | None]:
         text, self.pending_prefix = self.pending_prefix + new_text, ""
         if new_logprobs is None:
             return text, None
         logprobs = CompletionLogprobs()
         for entry in new_logprobs:
             token = self.tokenizer.decode([entry.token_id])
-            top = {self.tokenizer.decode([token_id]): value for token_id, value in entry.top_logprobs}
+            top = {
+                self.tokenizer.decode([token_id]): value for token_id, value in entry.top_logprobs
+            }
             # The chosen token is always listed, with its own value even when another token of
             # the top list decodes to the same text (the legacy format keys them by text).
             top[token] = entry.logprob
@@ -77,28 +82,57 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     _check_supported(body)
     prompts = completion_prompts(body.prompt, engine)
     logit_bias = parse_logit_bias(body.logit_bias, engine.vocab_size)
-    inputs = [EngineInput(prompt.token_ids, body.to_sampling_params(
-        resolve_max_tokens(body.max_tokens, DEFAULT_MAX_TOKENS, len(prompt.token_ids),
-                           engine.max_model_len, "prompt"), body.logprobs, logit_bias),
-        body.priority)
-        for prompt in prompts]
+    inputs = [
+        EngineInput(
+            prompt.token_ids,
+            body.to_sampling_params(
+                resolve_max_tokens(
+                    body.max_tokens,
+                    DEFAULT_MAX_TOKENS,
+                    len(prompt.token_ids),
+                    engine.max_model_len,
+                    "prompt",
+                ),
+                body.logprobs,
+                logit_bias,
+            ),
+            body.priority,
+        )
+        for prompt in prompts
+    ]
     n = inputs[0].params.n
-    recorder = RequestRecorder(request.app.state.metrics, request.state.request_id,
-                               request.state.arrival_time, [len(p.token_ids) for p in prompts], n)
+    recorder = RequestRecorder(
+        request.app.state.metrics,
+        request.state.request_id,
+        request.state.arrival_time,
+        [len(p.token_ids) for p in prompts],
+        n,
+    )
     stream = await start_generation(request, inputs, recorder)
-    header = {"id": f"cmpl-{recorder.request_id}", "created": int(time.time()),
-              "model": engine.model_name}
-    choices = {(prompt_idx, index): _ChoiceText(engine.tokenizer, prompt.text if body.echo else "")
-               for prompt_idx, prompt in enumerate(prompts) for index in range(n)}
+    header = {
+        "id": f"cmpl-{recorder.request_id}",
+        "created": int(time.time()),
+        "model": engine.model_name,
+    }
+    choices = {
+        (prompt_idx, index): _ChoiceText(engine.tokenizer, prompt.text if body.echo else "")
+        for prompt_idx, prompt in enumerate(prompts)
+        for index in range(n)
+    }
     if body.stream:
         chunks = _stream_chunks(stream, header, choices, n, recorder, body.include_usage)
         return EventStreamResponse(sse_events(chunks))
     return JSONResponse((await _collect(stream, header, choices, n, recorder)).model_dump())
 
 
-async def _stream_chunks(stream: AsyncIterator[Item], header: dict[str, Any],
-                         choices: dict[tuple[int, int], _ChoiceText], n: int,
-                         recorder: RequestRecorder, include_usage: bool) -> AsyncIterator[str]:
+async def _stream_chunks(
+    stream: AsyncIterator[Item],
+    header: dict[str, Any],
+    choices: dict[tuple[int, int], _ChoiceText],
+    n: int,
+    recorder: RequestRecorder,
+    include_usage: bool,
+) -> AsyncIterator[str]:
     exclude = None if include_usage else {"usage"}  # "usage": null only when usage is asked for
     async with aclosing(stream):
         async for prompt_idx, delta in stream:
@@ -106,16 +140,24 @@ async def _stream_chunks(stream: AsyncIterator[Item], header: dict[str, Any],
             text, logprobs = choice_text.take(delta.new_text, delta.new_logprobs)
             if not (text or logprobs or delta.finished):
                 continue  # text held back by the detokenizer (partial character or stop string)
-            choice = CompletionChoice(index=prompt_idx * n + delta.index, text=text,
-                                      logprobs=logprobs, finish_reason=delta.finish_reason)
+            choice = CompletionChoice(
+                index=prompt_idx * n + delta.index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=delta.finish_reason,
+            )
             yield CompletionResponse(**header, choices=[choice]).model_dump_json(exclude=exclude)
     if include_usage:
         yield CompletionResponse(**header, choices=[], usage=recorder.usage()).model_dump_json()
 
 
-async def _collect(stream: AsyncIterator[Item], header: dict[str, Any],
-                   choices: dict[tuple[int, int], _ChoiceText], n: int,
-                   recorder: RequestRecorder) -> CompletionResponse:
+async def _collect(
+    stream: AsyncIterator[Item],
+    header: dict[str, Any],
+    choices: dict[tuple[int, int], _ChoiceText],
+    n: int,
+    recorder: RequestRecorder,
+) -> CompletionResponse:
     results = {key: CompletionChoice(index=key[0] * n + key[1], text="") for key in choices}
     async with aclosing(stream):
         async for prompt_idx, delta in stream:
@@ -133,7 +175,9 @@ async def _collect(stream: AsyncIterator[Item], header: dict[str, Any],
 def _concat(head: CompletionLogprobs | None, tail: CompletionLogprobs) -> CompletionLogprobs:
     if head is None:
         return tail
-    return CompletionLogprobs(tokens=head.tokens + tail.tokens,
-                              token_logprobs=head.token_logprobs + tail.token_logprobs,
-                              top_logprobs=head.top_logprobs + tail.top_logprobs,
-                              text_offset=head.text_offset + tail.text_offset)
+    return CompletionLogprobs(
+        tokens=head.tokens + tail.tokens,
+        token_logprobs=head.token_logprobs + tail.token_logprobs,
+        top_logprobs=head.top_logprobs + tail.top_logprobs,
+        text_offset=head.text_offset + tail.text_offset,
+    )

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server.errors import model_not_found
-from server.protocol import ModelCard, ModelList
+from pagedserve.server.errors import model_not_found
+from pagedserve.server.protocol import ModelCard, ModelList
 
 router = APIRouter()
 
 
 def _card(request: Request) -> ModelCard:
     engine = request.app.state.engine
-    return ModelCard(id=engine.model_name, created=request.app.state.started_at,
-                     max_model_len=engine.max_model_len)
+    return ModelCard(
+        id=engine.model_name,
+        created=request.app.state.started_at,
+        max_model_len=engine.max_model_len,
+    )
 
 
 @router.get("/v1/models", response_model=ModelList)

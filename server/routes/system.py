@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from server.errors import APIError
+from pagedserve.server.errors import APIError
 
 router = APIRouter()
 
@@ -24,8 +24,9 @@ def _package_version() -> str:
 async def health(request: Request) -> Response:
     if request.app.state.engine.is_alive:
         return JSONResponse({"status": "ok"})
-    return APIError(503, "The engine is not running.", type="server_error",
-                    code="engine_dead").response()
+    return APIError(
+        503, "The engine is not running.", type="server_error", code="engine_dead"
+    ).response()
 
 
 @router.get("/version")

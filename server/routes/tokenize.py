@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server.errors import invalid_request
-from server.prompts import chat_prompt, check_model, check_token_ids, encode_text
-from server.protocol import (
+from pagedserve.server.errors import invalid_request
+from pagedserve.server.prompts import chat_prompt, check_model, check_token_ids, encode_text
+from pagedserve.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
@@ -26,8 +26,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         token_ids = chat_prompt(body.messages, engine).token_ids
     else:
         token_ids = encode_text(engine, body.prompt, "prompt", body.add_special_tokens)
-    return TokenizeResponse(tokens=token_ids, count=len(token_ids),
-                            max_model_len=engine.max_model_len)
+    return TokenizeResponse(
+        tokens=token_ids, count=len(token_ids), max_model_len=engine.max_model_len
+    )
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import attention, memory, serving, step, throughput
-from benchmarks.workload import (
+from pagedserve.benchmarks import attention, memory, serving, step, throughput
+from pagedserve.benchmarks.workload import (
     WorkloadConfig,
     build_prompts,
     percentile,
@@ -183,8 +183,21 @@ def test_step_benchmark_times_every_phase(tmp_path):
 def test_attention_benchmark_times_kernel_reference_and_sdpa_per_cache_dtype(tmp_path):
     output = tmp_path / "attention.json"
     rows = attention.main(
-        ["--batch", "2", "--context", "40", "--repeats", "1", "--dtype", "float32",
-         "--kv-cache-dtype", "auto", "fp8_e4m3", "--output", str(output)]
+        [
+            "--batch",
+            "2",
+            "--context",
+            "40",
+            "--repeats",
+            "1",
+            "--dtype",
+            "float32",
+            "--kv-cache-dtype",
+            "auto",
+            "fp8_e4m3",
+            "--output",
+            str(output),
+        ]
     )
     assert [(row["impl"], row["kv_cache_dtype"]) for row in rows] == [
         (impl, kv)
@@ -205,11 +218,27 @@ def test_attention_benchmark_times_the_triton_kernel_too(tmp_path):
     # (the one the GPU check runs with --device cuda), not a speed.
     output = tmp_path / "attention.json"
     rows = attention.main(
-        ["--batch", "2", "--context", "20", "--repeats", "1", "--dtype", "float32",
-         "--backend", "triton", "--output", str(output)]
+        [
+            "--batch",
+            "2",
+            "--context",
+            "20",
+            "--repeats",
+            "1",
+            "--dtype",
+            "float32",
+            "--backend",
+            "triton",
+            "--output",
+            str(output),
+        ]
     )
     assert [row["impl"] for row in rows] == [
-        "triton", "torch_ref", "sdpa_contiguous", "triton_kv_in_l2", "read_kv_once"
+        "triton",
+        "torch_ref",
+        "sdpa_contiguous",
+        "triton_kv_in_l2",
+        "read_kv_once",
     ]
     assert rows[0]["kernel_max_abs_error_vs_ref"] < 1e-5 and rows[0]["device"] == "cpu"
     assert rows[0]["fraction_of_read_roofline"] > 0

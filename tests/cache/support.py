@@ -3,7 +3,7 @@ admitting a prompt the way the scheduler does."""
 
 from collections.abc import Sequence
 
-from cache.block_manager import BlockManager
+from pagedserve.cache.block_manager import BlockManager
 
 BLOCK_SIZE = 4
 

@@ -4,8 +4,8 @@ all-or-nothing growth (a failed call changes nothing), whether a request can eve
 
 import pytest
 
-from cache.block_manager import BlockManager
-from cache.block_pool import DoubleFreeError
+from pagedserve.cache.block_manager import BlockManager
+from pagedserve.cache.block_pool import DoubleFreeError
 from tests.cache.support import fill_with_single_block_requests, make_manager, manager_state
 
 # --- growth: the worked example and all-or-nothing reservation -------------------------------

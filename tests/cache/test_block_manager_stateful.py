@@ -22,9 +22,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from cache.block_manager import BlockManager
-from cache.block_pool import DoubleFreeError, OutOfBlocksError
-from cache.block_table import ceil_div
+from pagedserve.cache.block_manager import BlockManager
+from pagedserve.cache.block_pool import DoubleFreeError, OutOfBlocksError
+from pagedserve.cache.block_table import ceil_div
 
 # A tiny alphabet and short prompts, so identical prefixes (and so hits) are common.
 TOKENS = st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=10)

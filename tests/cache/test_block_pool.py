@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache.block_pool import Block, BlockPool, DoubleFreeError, OutOfBlocksError
+from pagedserve.cache.block_pool import Block, BlockPool, DoubleFreeError, OutOfBlocksError
 
 
 def pool_state(pool: BlockPool) -> tuple:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cache.block_table import BlockTable, ceil_div
+from pagedserve.cache.block_table import BlockTable, ceil_div
 
 
 def make_worked_example_table() -> BlockTable:

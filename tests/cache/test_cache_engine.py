@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache.cache_engine import KV_CACHE_DTYPES, CacheEngine
-from cache.cache_spec import CacheSpec
+from pagedserve.cache.cache_engine import KV_CACHE_DTYPES, CacheEngine
+from pagedserve.cache.cache_spec import CacheSpec
 
 
 def make_spec(dtype: str) -> CacheSpec:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from configs.engine import CacheConfig, EngineConfig, parse_bytes
-from configs.loader import PRESETS_DIR, load_engine_config
-from configs.sampling import SamplingParams, SamplingParamsError
+from pagedserve.configs.engine import CacheConfig, EngineConfig, parse_bytes
+from pagedserve.configs.loader import PRESETS_DIR, load_engine_config
+from pagedserve.configs.sampling import SamplingParams, SamplingParamsError
 
 PRESETS = ("cpu-small", "cpu-large", "gpu-h200")
 
@@ -32,13 +32,18 @@ def test_file_overrides_defaults(block_size_file: Path):
 
 
 def test_env_overrides_file(block_size_file: Path):
-    config = load_engine_config(config_file=block_size_file, environ={"PAGEDSERVE_BLOCK_SIZE": "32"})
+    config = load_engine_config(
+        config_file=block_size_file, environ={"PAGEDSERVE_BLOCK_SIZE": "32"}
+    )
     assert (config.cache.block_size, config.scheduler.max_num_seqs) == (32, 3)
 
 
 def test_cli_overrides_env_and_file(block_size_file: Path):
-    config = load_engine_config(cli={"block_size": 64, "max_num_seqs": None}, config_file=block_size_file,
-                                environ={"PAGEDSERVE_BLOCK_SIZE": "32"})
+    config = load_engine_config(
+        cli={"block_size": 64, "max_num_seqs": None},
+        config_file=block_size_file,
+        environ={"PAGEDSERVE_BLOCK_SIZE": "32"},
+    )
     assert config.cache.block_size == 64
     assert config.scheduler.max_num_seqs == 3  # a flag left at None was not given
 
@@ -52,9 +57,13 @@ def test_process_environment_is_read_by_default(block_size_file: Path, monkeypat
 
 
 def test_env_strings_are_coerced_to_field_types():
-    config = load_engine_config(environ={"PAGEDSERVE_ENABLE_PREFIX_CACHING": "false",
-                                         "PAGEDSERVE_GPU_MEMORY_UTILIZATION": "0.5",
-                                         "PAGEDSERVE_PORT": "9000"})
+    config = load_engine_config(
+        environ={
+            "PAGEDSERVE_ENABLE_PREFIX_CACHING": "false",
+            "PAGEDSERVE_GPU_MEMORY_UTILIZATION": "0.5",
+            "PAGEDSERVE_PORT": "9000",
+        }
+    )
     assert config.cache.enable_prefix_caching is False
     assert config.cache.gpu_memory_utilization == 0.5
     assert config.server.port == 9000
@@ -110,7 +119,10 @@ def test_an_empty_api_key_means_no_authentication():
 def test_kv_cache_memory_takes_a_plain_byte_count(tmp_path):
     path = tmp_path / "bytes.yaml"
     path.write_text("cache:\n  kv_cache_memory: 1073741824\n")
-    assert parse_bytes(load_engine_config(config_file=path, environ={}).cache.kv_cache_memory) == 1 << 30
+    assert (
+        parse_bytes(load_engine_config(config_file=path, environ={}).cache.kv_cache_memory)
+        == 1 << 30
+    )
     config = load_engine_config(cli={"kv_cache_memory": 1 << 20}, environ={})
     assert parse_bytes(config.cache.kv_cache_memory) == 1 << 20
 
@@ -133,10 +145,18 @@ def test_kv_cache_dtype_defaults_to_the_model_dtype_and_rejects_unknown_names():
         load_engine_config(cli={"kv_cache_dtype": "int4"}, environ={})
 
 
-@pytest.mark.parametrize(("text", "num_bytes"), [
-    ("1048576", 1048576), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5GiB", 3 * 2**29),
-    (" 4 kib ", 4096), ("0", 0), (123, 123),
-])
+@pytest.mark.parametrize(
+    ("text", "num_bytes"),
+    [
+        ("1048576", 1048576),
+        ("512MiB", 512 * 2**20),
+        ("2GB", 2 * 10**9),
+        ("1.5GiB", 3 * 2**29),
+        (" 4 kib ", 4096),
+        ("0", 0),
+        (123, 123),
+    ],
+)
 def test_byte_sizes_parse(text: str | int, num_bytes: int):
     assert parse_bytes(text) == num_bytes
 
@@ -152,21 +172,37 @@ def test_cache_config_rejects_unparseable_memory_budget():
         CacheConfig(kv_cache_memory="lots")
 
 
-@pytest.mark.parametrize(("param", "value"), [
-    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -0.1), ("temperature", 101.0),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", math.nan),
-    ("top_k", -2),
-    ("min_p", -0.1), ("min_p", 1.5),
-    ("n", 0), ("n", 17),
-    ("max_tokens", 0), ("max_tokens", -5),
-    ("logprobs", 21), ("logprobs", -1),
-    ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("frequency_penalty", math.inf),
-    ("repetition_penalty", 0.0),
-    ("seed", -1),
-    ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 101.0}),
-    ("stop", ("",)), ("stop", tuple(str(i) for i in range(17))),
-    ("stop_token_ids", (-1,)),
-])
+@pytest.mark.parametrize(
+    ("param", "value"),
+    [
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", -0.1),
+        ("temperature", 101.0),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_p", math.nan),
+        ("top_k", -2),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("n", 0),
+        ("n", 17),
+        ("max_tokens", 0),
+        ("max_tokens", -5),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.5),
+        ("frequency_penalty", math.inf),
+        ("repetition_penalty", 0.0),
+        ("seed", -1),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {5: 101.0}),
+        ("stop", ("",)),
+        ("stop", tuple(str(i) for i in range(17))),
+        ("stop_token_ids", (-1,)),
+    ],
+)
 def test_sampling_params_reject_bad_values_naming_the_field(param: str, value: object):
     with pytest.raises(SamplingParamsError) as raised:
         SamplingParams(**{param: value})
@@ -181,7 +217,9 @@ def test_min_tokens_above_max_tokens_is_rejected():
 
 
 def test_sampling_params_accept_boundary_values():
-    params = SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, n=16, max_tokens=1, logprobs=20, seed=0)
+    params = SamplingParams(
+        temperature=0.0, top_p=1.0, top_k=-1, n=16, max_tokens=1, logprobs=20, seed=0
+    )
     assert params.is_greedy
     assert SamplingParams(logprobs=0, top_k=0).logprobs == 0
 

@@ -27,12 +27,12 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-import engine.model_runner  # noqa: F401 - registers the "pagedserve" attention implementation
-from configs import SamplingParams, load_engine_config
-from configs.engine import DEFAULT_MODEL, ModelConfig
-from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel, load_model, resolve_model_path
-from scheduler import SchedulerOutput
+import pagedserve.engine.model_runner  # noqa: F401 - registers the "pagedserve" attention implementation
+from pagedserve.configs import SamplingParams, load_engine_config
+from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.model_loader import LoadedModel, load_model, resolve_model_path
+from pagedserve.scheduler import SchedulerOutput
 
 # A divergence from HF is accepted only where HF's own best two tokens are this close (logprob).
 NEAR_TIE_LOGPROB_GAP = 1e-4
@@ -43,25 +43,71 @@ _near_tie_divergences: list[str] = []
 TINY_VOCAB_SIZE = 1024  # token ids below it decode with the default model's tokenizer
 TINY_MAX_MODEL_LEN = 512
 
-_COMMON = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
-               max_position_embeddings=TINY_MAX_MODEL_LEN, initializer_range=0.1,
-               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_COMMON = dict(
+    vocab_size=TINY_VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=TINY_MAX_MODEL_LEN,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 # family -> (model class, config); GQA and MHA, head_dim 16 and 32, 2-4 layers.
 TINY_FAMILIES: dict[str, tuple[type, PretrainedConfig]] = {
-    "llama-gqa": (LlamaForCausalLM, LlamaConfig(num_hidden_layers=2, num_attention_heads=4,
-                                                 num_key_value_heads=2, head_dim=16, **_COMMON)),
-    "llama-mha": (LlamaForCausalLM, LlamaConfig(num_hidden_layers=2, num_attention_heads=2,
-                                                 num_key_value_heads=2, head_dim=32, **_COMMON)),
-    "qwen2-gqa": (Qwen2ForCausalLM, Qwen2Config(num_hidden_layers=3, num_attention_heads=4,
-                                                 num_key_value_heads=1, use_sliding_window=False,
-                                                 **_COMMON)),
-    "qwen3-gqa": (Qwen3ForCausalLM, Qwen3Config(num_hidden_layers=2, num_attention_heads=4,
-                                                 num_key_value_heads=2, head_dim=32,
-                                                 use_sliding_window=False, **_COMMON)),
-    "mistral-gqa": (MistralForCausalLM, MistralConfig(num_hidden_layers=4, num_attention_heads=4,
-                                                       num_key_value_heads=2, head_dim=16,
-                                                       sliding_window=None, **_COMMON)),
+    "llama-gqa": (
+        LlamaForCausalLM,
+        LlamaConfig(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            **_COMMON,
+        ),
+    ),
+    "llama-mha": (
+        LlamaForCausalLM,
+        LlamaConfig(
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=32,
+            **_COMMON,
+        ),
+    ),
+    "qwen2-gqa": (
+        Qwen2ForCausalLM,
+        Qwen2Config(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            use_sliding_window=False,
+            **_COMMON,
+        ),
+    ),
+    "qwen3-gqa": (
+        Qwen3ForCausalLM,
+        Qwen3Config(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            use_sliding_window=False,
+            **_COMMON,
+        ),
+    ),
+    "mistral-gqa": (
+        MistralForCausalLM,
+        MistralConfig(
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=None,
+            **_COMMON,
+        ),
+    ),
 }
 
 
@@ -107,7 +153,9 @@ def make_tiny_model(family: str, tokenizer, seed: int = 0) -> LoadedModel:
 def make_engine(loaded: LoadedModel, **settings: object) -> LLMEngine:
     """An engine over a pre-loaded model; `settings` are flat CLI names (block_size, ...)."""
     settings.setdefault("dtype", "float32")
-    settings.setdefault("num_kv_blocks", 512)  # not the 512 MiB default budget: allocating it is slow
+    settings.setdefault(
+        "num_kv_blocks", 512
+    )  # not the 512 MiB default budget: allocating it is slow
     settings.setdefault("device", "cpu")
     return LLMEngine(load_engine_config(cli=settings, environ={}), loaded=loaded)
 
@@ -124,8 +172,12 @@ class Reference:
     top2_gaps: list[float]
 
 
-def hf_greedy_reference(model: torch.nn.Module, prompt_token_ids: list[int], max_new_tokens: int,
-                        attn_implementation: str = "sdpa") -> Reference:
+def hf_greedy_reference(
+    model: torch.nn.Module,
+    prompt_token_ids: list[int],
+    max_new_tokens: int,
+    attn_implementation: str = "sdpa",
+) -> Reference:
     """`model.generate` for one prompt, greedy, EOS disabled (so exactly `max_new_tokens` come back).
 
     EOS is disabled rather than banned: `min_new_tokens` would mask EOS's logit and change the
@@ -136,25 +188,34 @@ def hf_greedy_reference(model: torch.nn.Module, prompt_token_ids: list[int], max
     model.set_attn_implementation(attn_implementation)
     model.generation_config.eos_token_id = None  # a None in our config would fall back to it
     generation_config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-        output_logits=True, return_dict_in_generate=True,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     try:
         with torch.inference_mode():
             input_ids = torch.tensor([prompt_token_ids])
-            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                 generation_config=generation_config)
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=generation_config,
+            )
     finally:
         model.set_attn_implementation(previous)
         model.generation_config.eos_token_id = previous_eos
-    token_ids = out.sequences[0, len(prompt_token_ids):].tolist()
+    token_ids = out.sequences[0, len(prompt_token_ids) :].tolist()
     assert len(token_ids) == max_new_tokens
     near_ties, gaps = [], []
     for logits in out.logits:
         logprobs = torch.log_softmax(logits[0].float(), dim=-1)
         top2 = logprobs.topk(2).values
         gaps.append(float(top2[0] - top2[1]))
-        near_ties.append(frozenset((logprobs >= top2[0] - NEAR_TIE_LOGPROB_GAP).nonzero()[:, 0].tolist()))
+        near_ties.append(
+            frozenset((logprobs >= top2[0] - NEAR_TIE_LOGPROB_GAP).nonzero()[:, 0].tolist())
+        )
     return Reference(token_ids, near_ties, gaps)
 
 
@@ -173,11 +234,16 @@ def assert_matches_reference(actual: list[int], reference: Reference, label: str
             )
             _near_tie_divergences.append(f"{label} @ {position}")
             assert len(_near_tie_divergences) <= MAX_NEAR_TIE_DIVERGENCES, (
-                f"too many near-tie divergences this session: {_near_tie_divergences}")
-            warnings.warn(f"{label}: accepted near-tie divergence at position {position} (gap {gap:.2g})",
-                          stacklevel=2)
+                f"too many near-tie divergences this session: {_near_tie_divergences}"
+            )
+            warnings.warn(
+                f"{label}: accepted near-tie divergence at position {position} (gap {gap:.2g})",
+                stacklevel=2,
+            )
             return position
-    assert len(actual) == len(reference.token_ids), f"{label}: {len(actual)} tokens, HF {len(reference.token_ids)}"
+    assert len(actual) == len(reference.token_ids), (
+        f"{label}: {len(actual)} tokens, HF {len(reference.token_ids)}"
+    )
     return None
 
 
@@ -192,7 +258,9 @@ class EngineRun:
     texts: dict = field(default_factory=dict)
     finish_reasons: dict = field(default_factory=dict)
     plans: list[SchedulerOutput] = field(default_factory=list)
-    max_ref_counts: list[int] = field(default_factory=list)  # highest block ref count after each step
+    max_ref_counts: list[int] = field(
+        default_factory=list
+    )  # highest block ref count after each step
 
 
 def record_plans(engine: LLMEngine, run: EngineRun) -> None:
@@ -207,7 +275,9 @@ def record_plans(engine: LLMEngine, run: EngineRun) -> None:
     engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
 
 
-def run_to_completion(engine: LLMEngine, run: EngineRun | None = None, max_steps: int = 50_000) -> EngineRun:
+def run_to_completion(
+    engine: LLMEngine, run: EngineRun | None = None, max_steps: int = 50_000
+) -> EngineRun:
     """Step until nothing is left; check invariants every step and that every block is free at the end."""
     if run is None:
         run = EngineRun()

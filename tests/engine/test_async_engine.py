@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from configs import EngineConfig, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedserve.configs import EngineConfig, SamplingParams
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from tests.engine.conftest import make_engine, make_tiny_model
 
 PROMPT = [17, 300, 42, 999, 8, 64, 7]
@@ -42,11 +42,15 @@ def test_a_request_id_reused_after_an_early_close_gets_only_its_own_deltas(tiny_
     async def scenario() -> list:
         engine = started_engine(tiny_loaded, step_delay_s=0.01)
         await engine.start()
-        old = engine.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "x")
+        old = engine.generate(
+            PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "x"
+        )
         await anext(old)
         await old.aclose()  # the client went away: "x" is aborted by the engine thread
         for _ in range(1000):  # the id is refused until that abort has been processed
-            new = engine.generate(PROMPT[:3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "x")
+            new = engine.generate(
+                PROMPT[:3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "x"
+            )
             try:
                 deltas = [await anext(new)]
                 break

@@ -8,13 +8,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
 
 MULTIBYTE_TEXT = "Hi 👋🏽 世界 🚀 café — ÅÄÖ 🇯🇵 naïve 한국어 text 🧑‍🚀!"
 PROMPT = "Say something:"
 
 
-def _stream(tokenizer, text: str, stop: tuple[str, ...] = (), include_stop: bool = False, prompt: str = PROMPT):
+def _stream(
+    tokenizer,
+    text: str,
+    stop: tuple[str, ...] = (),
+    include_stop: bool = False,
+    prompt: str = PROMPT,
+):
     """Feed `text`'s tokens one at a time; return (deltas, hit, flushed tail)."""
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), stop, include_stop)
     deltas = []
@@ -29,13 +35,17 @@ def _stream(tokenizer, text: str, stop: tuple[str, ...] = (), include_stop: bool
 
 def test_multibyte_tokens_really_split_characters(default_tokenizer):
     pieces = [default_tokenizer.decode([t]) for t in default_tokenizer.encode(MULTIBYTE_TEXT)]
-    assert any("\ufffd" in piece for piece in pieces), "the fixture text must split UTF-8 characters"
+    assert any("\ufffd" in piece for piece in pieces), (
+        "the fixture text must split UTF-8 characters"
+    )
 
 
 def test_incremental_text_equals_full_decode_and_never_splits_a_character(default_tokenizer):
     deltas, hit, tail = _stream(default_tokenizer, MULTIBYTE_TEXT)
     assert not hit
-    assert "".join(deltas) + tail == default_tokenizer.decode(default_tokenizer.encode(MULTIBYTE_TEXT))
+    assert "".join(deltas) + tail == default_tokenizer.decode(
+        default_tokenizer.encode(MULTIBYTE_TEXT)
+    )
     assert all("\ufffd" not in delta for delta in deltas)
 
 
@@ -44,8 +54,12 @@ def test_incremental_text_keeps_the_leading_space_of_the_first_output_token(defa
     assert "".join(deltas) + tail == " hello world"
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.text(alphabet=st.sampled_from(list("ab ,.\n世界東京한국🚀👋🏽éß—")), min_size=1, max_size=40))
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.text(alphabet=st.sampled_from(list("ab ,.\n世界東京한국🚀👋🏽éß—")), min_size=1, max_size=40)
+)
 def test_any_text_streams_to_its_full_decode_without_broken_characters(default_tokenizer, text):
     deltas, _, tail = _stream(default_tokenizer, text)
     assert "".join(deltas) + tail == default_tokenizer.decode(default_tokenizer.encode(text))
@@ -63,7 +77,9 @@ def test_any_text_streams_to_its_full_decode_without_broken_characters(default_t
         ("alphabetagamma", ("beta", "gamma"), False, "alpha"),
     ],
 )
-def test_stop_string_is_cut_and_no_prefix_of_it_leaks_mid_stream(default_tokenizer, text, stop, include, expected):
+def test_stop_string_is_cut_and_no_prefix_of_it_leaks_mid_stream(
+    default_tokenizer, text, stop, include, expected
+):
     deltas, hit, _ = _stream(default_tokenizer, text, stop, include)
     assert hit
     assert "".join(deltas) == expected

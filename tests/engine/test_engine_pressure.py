@@ -32,8 +32,9 @@ def test_engine_under_a_tiny_pool_equals_an_unconstrained_run(default_loaded):
         return engine, run_to_completion(engine)
 
     _, unconstrained = run(num_kv_blocks=2048, block_size=16)
-    pressured_engine, pressured = run(num_kv_blocks=POOL_BLOCKS, block_size=BLOCK_SIZE,
-                                      max_num_batched_tokens=64)
+    pressured_engine, pressured = run(
+        num_kv_blocks=POOL_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=64
+    )
 
     assert pressured_engine.stats().num_preemptions > 0
     assert pressured.token_ids == unconstrained.token_ids

@@ -54,9 +54,15 @@ def _build_prompts(tokenizer) -> dict[str, list[int]]:
         start = (index * 97) % 400  # different content per prompt
         prompts[f"raw{length}"] = corpus_ids[start : start + length]
     for index, question in enumerate(QUESTIONS):  # share the chat template and the system prompt
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-        prompts[f"chat{index}"] = list(tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": question},
+        ]
+        prompts[f"chat{index}"] = list(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
     assert len(prompts) >= 20 and {len(p) for p in prompts.values()} >= {1, 1000}
     return prompts
 
@@ -69,7 +75,10 @@ def prompts(default_tokenizer) -> dict[str, list[int]]:
 @pytest.fixture(scope="session")
 def references(default_loaded, prompts):
     """HF greedy references, computed once per session and reused for every configuration."""
-    return {rid: hf_greedy_reference(default_loaded.model, prompt, MAX_NEW_TOKENS) for rid, prompt in prompts.items()}
+    return {
+        rid: hf_greedy_reference(default_loaded.model, prompt, MAX_NEW_TOKENS)
+        for rid, prompt in prompts.items()
+    }
 
 
 def _whole_batch_blocks(block_size: int) -> int:
@@ -84,16 +93,28 @@ def _check_all(run: EngineRun, references, label: str) -> None:
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16])
-def test_greedy_output_equals_hf_generate_for_block_size(default_loaded, prompts, references, block_size):
-    engine = make_engine(default_loaded, block_size=block_size, max_num_batched_tokens=2048,
-                         enable_prefix_caching=False, num_kv_blocks=_whole_batch_blocks(block_size))
+def test_greedy_output_equals_hf_generate_for_block_size(
+    default_loaded, prompts, references, block_size
+):
+    engine = make_engine(
+        default_loaded,
+        block_size=block_size,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        num_kv_blocks=_whole_batch_blocks(block_size),
+    )
     add_requests(engine, prompts, greedy_params(MAX_NEW_TOKENS))
     _check_all(run_to_completion(engine), references, f"block_size={block_size}")
 
 
 def test_greedy_output_equals_hf_generate_with_chunked_prefill(default_loaded, prompts, references):
-    engine = make_engine(default_loaded, block_size=16, max_num_batched_tokens=72, enable_prefix_caching=False,
-                         num_kv_blocks=_whole_batch_blocks(16))
+    engine = make_engine(
+        default_loaded,
+        block_size=16,
+        max_num_batched_tokens=72,
+        enable_prefix_caching=False,
+        num_kv_blocks=_whole_batch_blocks(16),
+    )
     add_requests(engine, prompts, greedy_params(MAX_NEW_TOKENS))
     run = run_to_completion(engine)
     num_partial_chunks = sum(not s.needs_sample for plan in run.plans for s in plan.requests)
@@ -101,9 +122,16 @@ def test_greedy_output_equals_hf_generate_with_chunked_prefill(default_loaded, p
     _check_all(run, references, "chunked prefill")
 
 
-def test_greedy_output_equals_hf_generate_with_prefix_cache_hits(default_loaded, prompts, references):
-    engine = make_engine(default_loaded, block_size=16, max_num_batched_tokens=2048, enable_prefix_caching=True,
-                         num_kv_blocks=_whole_batch_blocks(16))
+def test_greedy_output_equals_hf_generate_with_prefix_cache_hits(
+    default_loaded, prompts, references
+):
+    engine = make_engine(
+        default_loaded,
+        block_size=16,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=True,
+        num_kv_blocks=_whole_batch_blocks(16),
+    )
     run = EngineRun()
     record_plans(engine, run)
     params = greedy_params(MAX_NEW_TOKENS)
@@ -118,8 +146,13 @@ def test_greedy_output_equals_hf_generate_with_prefix_cache_hits(default_loaded,
 
 def test_greedy_output_equals_hf_generate_under_preemption(default_loaded, prompts, references):
     # 72 blocks x 16 = 1152 slots: the 1,000-token prompt (+63) fits alone, the whole batch by far not.
-    engine = make_engine(default_loaded, block_size=16, num_kv_blocks=72, max_num_batched_tokens=512,
-                         enable_prefix_caching=False)
+    engine = make_engine(
+        default_loaded,
+        block_size=16,
+        num_kv_blocks=72,
+        max_num_batched_tokens=512,
+        enable_prefix_caching=False,
+    )
     add_requests(engine, prompts, greedy_params(MAX_NEW_TOKENS))
     run = run_to_completion(engine)
     assert engine.stats().num_preemptions > 0

@@ -14,8 +14,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from cache.attention.torch_ref import to_cache_dtype
-from cache.cache_engine import KV_CACHE_DTYPES
+from pagedserve.cache.attention.torch_ref import to_cache_dtype
+from pagedserve.cache.cache_engine import KV_CACHE_DTYPES
 from tests.engine.conftest import (
     add_requests,
     assert_matches_reference,
@@ -48,9 +48,7 @@ def _rounded_kv_sdpa(kv_dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_e4m3"])
-def test_greedy_output_equals_hf_with_kv_rounded_to_the_cache_dtype(
-    default_loaded, kv_cache_dtype
-):
+def test_greedy_output_equals_hf_with_kv_rounded_to_the_cache_dtype(default_loaded, kv_cache_dtype):
     kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
     implementation = f"pagedserve_test_rounded_kv_{kv_cache_dtype}"
     AttentionInterface.register(implementation, _rounded_kv_sdpa(kv_dtype))
@@ -69,7 +67,9 @@ def test_greedy_output_equals_hf_with_kv_rounded_to_the_cache_dtype(
     run = run_to_completion(engine)
 
     for request_id, reference in references.items():
-        assert_matches_reference(run.token_ids[request_id], reference, f"{kv_cache_dtype} {request_id}")
+        assert_matches_reference(
+            run.token_ids[request_id], reference, f"{kv_cache_dtype} {request_id}"
+        )
 
 
 def test_fp8_cache_holds_four_times_the_tokens_of_float32_in_one_budget(default_loaded):

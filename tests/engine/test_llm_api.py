@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from configs import SamplingParams
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from pagedserve.configs import SamplingParams
+from pagedserve.engine.llm import LLM
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tests.engine.conftest import assert_matches_reference, hf_greedy_reference
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -15,7 +15,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(default_model_path) -> LLM:
-    return LLM(model=str(default_model_path), num_kv_blocks=256, block_size=16, dtype="float32", device="cpu")
+    return LLM(
+        model=str(default_model_path),
+        num_kv_blocks=256,
+        block_size=16,
+        dtype="float32",
+        device="cpu",
+    )
 
 
 def _check_shape(output: RequestOutput, tokenizer, num_choices: int = 1) -> None:
@@ -34,7 +40,9 @@ def test_generate_from_a_string_matches_hf_generate(llm):
     _check_shape(output, llm.tokenizer)
     assert output.prompt == prompt and output.prompt_token_ids == llm.tokenizer.encode(prompt)
     choice = output.outputs[0]
-    assert len(choice.token_ids) == 8 and choice.finish_reason == "length" and choice.logprobs is None
+    assert (
+        len(choice.token_ids) == 8 and choice.finish_reason == "length" and choice.logprobs is None
+    )
     reference = hf_greedy_reference(llm.engine.runner.model, output.prompt_token_ids, 8)
     assert_matches_reference(choice.token_ids, reference, "LLM.generate")
 
@@ -48,8 +56,11 @@ def test_generate_from_token_ids_has_no_prompt_text(llm):
 
 def test_generate_a_list_returns_outputs_in_prompt_order_with_per_prompt_params(llm):
     prompts = ["Water boils at", llm.tokenizer.encode("My favourite colour is"), "1, 2, 3,"]
-    params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=1, max_tokens=5, ignore_eos=True)]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=5, ignore_eos=True),
+    ]
     outputs = llm.generate(prompts, params)
     assert [o.prompt for o in outputs] == ["Water boils at", None, "1, 2, 3,"]
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 3, 5]
@@ -72,26 +83,39 @@ def test_generate_with_n_and_logprobs_returns_every_choice_with_its_logprobs(llm
 
 
 def test_stop_string_ends_the_text_before_it(llm):
-    full = llm.generate("List three fruits:", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    full = llm.generate(
+        "List three fruits:", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    )
     text = full[0].outputs[0].text
     stop = text.strip().split()[1] if len(text.split()) > 1 else text.strip()[:2]
-    (output,) = llm.generate("List three fruits:", SamplingParams(temperature=0.0, max_tokens=16, stop=(stop,)))
+    (output,) = llm.generate(
+        "List three fruits:", SamplingParams(temperature=0.0, max_tokens=16, stop=(stop,))
+    )
     assert output.outputs[0].finish_reason == "stop"
     assert output.outputs[0].text == text[: text.index(stop)]
 
 
 def test_chat_applies_the_template_with_the_generation_prompt(llm):
-    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Say hi."}]
+    messages = [
+        {"role": "system", "content": "You are brief."},
+        {"role": "user", "content": "Say hi."},
+    ]
     (output,) = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=12))
-    expected = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+    expected = llm.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert output.prompt is None and output.prompt_token_ids == list(expected)
     _check_shape(output, llm.tokenizer)
     assert output.outputs[0].text.strip()
 
 
 def test_chat_accepts_several_conversations(llm):
-    conversations = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Count to three."}]]
-    outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    conversations = [
+        [{"role": "user", "content": "Hi"}],
+        [{"role": "user", "content": "Count to three."}],
+    ]
+    outputs = llm.chat(
+        conversations, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )
     assert len(outputs) == 2 and outputs[0].prompt_token_ids != outputs[1].prompt_token_ids
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)

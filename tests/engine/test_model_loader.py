@@ -25,9 +25,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from configs.engine import DEFAULT_MODEL, ModelConfig
-from engine import model_loader
-from engine.model_loader import (
+from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
+from pagedserve.engine import model_loader
+from pagedserve.engine.model_loader import (
     ModelNotFoundError,
     load_model,
     resolve_dtype,
@@ -53,13 +53,22 @@ def converted_cache(tmp_path_factory: pytest.TempPathFactory):
 def tiny_model_dir(tmp_path: Path) -> Path:
     """A random 2-layer Llama and a word-level tokenizer, saved as an ordinary HF folder."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     vocab = {"[UNK]": 0, "hello": 1, "world": 2, "</s>": 3}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="[UNK]").save_pretrained(tmp_path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="</s>", unk_token="[UNK]"
+    ).save_pretrained(tmp_path)
     return tmp_path
 
 
@@ -78,8 +87,14 @@ def test_load_model_from_local_folder_has_requested_dtype_and_shapes(tiny_model_
 
 
 def test_load_model_caps_max_model_len_at_the_model_limit(tiny_model_dir: Path):
-    assert load_model(ModelConfig(model=str(tiny_model_dir), max_model_len=32), "cpu").max_model_len == 32
-    assert load_model(ModelConfig(model=str(tiny_model_dir), max_model_len=1000), "cpu").max_model_len == 64
+    assert (
+        load_model(ModelConfig(model=str(tiny_model_dir), max_model_len=32), "cpu").max_model_len
+        == 32
+    )
+    assert (
+        load_model(ModelConfig(model=str(tiny_model_dir), max_model_len=1000), "cpu").max_model_len
+        == 64
+    )
 
 
 def test_load_model_passes_attn_implementation(tiny_model_dir: Path):
@@ -93,7 +108,9 @@ def test_auto_dtype_is_float32_on_cpu_and_bfloat16_on_cuda():
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
 
 
-@pytest.mark.parametrize("model", ["pagedserve-tests/no-such-model", "/no/such/folder", "no-such-model"])
+@pytest.mark.parametrize(
+    "model", ["pagedserve-tests/no-such-model", "/no/such/folder", "no-such-model"]
+)
 def test_unknown_model_raises_a_clear_offline_error(model: str):
     with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache"):
         resolve_model_path(model)
@@ -123,8 +140,10 @@ def test_concurrent_first_starts_publish_one_complete_folder(tmp_path: Path, mon
 
     monkeypatch.setattr(model_loader, "_convert_default_model", slow_fake_conversion)
     results: list[tuple[Path, bool]] = []
-    threads = [threading.Thread(target=lambda: results.append(resolve_model_path(DEFAULT_MODEL)))
-               for _ in range(num_starts)]
+    threads = [
+        threading.Thread(target=lambda: results.append(resolve_model_path(DEFAULT_MODEL)))
+        for _ in range(num_starts)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -162,16 +181,25 @@ def test_default_model_config_tokenizer_and_tied_embeddings(converted_cache, mon
     loaded = load_model(ModelConfig(), "cpu")
     config = loaded.hf_config
     assert isinstance(config, LlamaConfig)
-    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (
+        30,
+        9,
+        3,
+    )
     assert not hasattr(config, "quantization_config")
     assert config.tie_word_embeddings
-    assert loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
+    assert (
+        loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
+    )
     assert loaded.max_model_len == 4096
     tokenizer = loaded.tokenizer
     assert tokenizer.chat_template
-    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == config.eos_token_id == 2
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                           add_generation_prompt=True)
+    assert (
+        tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == config.eos_token_id == 2
+    )
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -180,7 +208,9 @@ def test_converted_model_logits_equal_the_gguf_model(converted_cache, monkeypatc
     cache, _, _ = converted_cache
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(cache))
     gguf = model_loader._default_gguf_path()
-    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     loaded = load_model(ModelConfig(), "cpu")
     input_ids = loaded.tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.inference_mode():

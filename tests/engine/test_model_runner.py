@@ -7,9 +7,13 @@ import pytest
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cache.block_table import BlockTable
-from configs import SamplingParams
-from engine.model_runner import ATTN_IMPLEMENTATION, PagedContext, paged_attention_forward
+from pagedserve.cache.block_table import BlockTable
+from pagedserve.configs import SamplingParams
+from pagedserve.engine.model_runner import (
+    ATTN_IMPLEMENTATION,
+    PagedContext,
+    paged_attention_forward,
+)
 from tests.engine.conftest import TINY_FAMILIES, make_engine, make_tiny_model
 
 PROMPTS = {"a": list(range(10, 47)), "b": [5, 6, 7], "c": list(range(100, 120))}
@@ -43,7 +47,9 @@ def tiny_loaded(default_tokenizer):
 def test_slot_mapping_equals_the_block_tables_slot_mapping(tiny_loaded):
     engine, batches, _ = _engine_with_spy(tiny_loaded, block_size=4, max_num_batched_tokens=16)
     for request_id, prompt in PROMPTS.items():
-        engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        engine.add_request(
+            request_id, prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        )
     while engine.has_unfinished_requests():
         engine.step()
         plan, batch = batches[-1]
@@ -54,17 +60,24 @@ def test_slot_mapping_equals_the_block_tables_slot_mapping(tiny_loaded):
                 assert scheduled.block_ids == table.block_ids
             expected += scheduled.slot_mapping
             rebuilt = BlockTable(4, list(scheduled.block_ids))
-            assert scheduled.slot_mapping == rebuilt.slot_mapping(scheduled.start_position, scheduled.seq_len)
+            assert scheduled.slot_mapping == rebuilt.slot_mapping(
+                scheduled.start_position, scheduled.seq_len
+            )
         assert batch.meta.slot_mapping.tolist() == expected
         assert batch.position_ids[0].tolist() == [
-            pos for s in plan.requests for pos in range(s.start_position, s.seq_len)]
+            pos for s in plan.requests for pos in range(s.start_position, s.seq_len)
+        ]
     assert len(batches) > 3
 
 
 def test_logits_are_computed_only_for_sampled_positions_and_equal_the_full_forward(tiny_loaded):
-    engine, batches, logits_seen = _engine_with_spy(tiny_loaded, block_size=4, max_num_batched_tokens=16)
+    engine, batches, logits_seen = _engine_with_spy(
+        tiny_loaded, block_size=4, max_num_batched_tokens=16
+    )
     for request_id, prompt in PROMPTS.items():
-        engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        engine.add_request(
+            request_id, prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        )
     saw_partial_chunk = False
     while engine.has_unfinished_requests():
         engine.step()
@@ -74,8 +87,10 @@ def test_logits_are_computed_only_for_sampled_positions_and_equal_the_full_forwa
         assert logits_seen[-1].shape == (num_sampled, tiny_loaded.hf_config.vocab_size)
         assert logits_seen[-1].dtype == torch.float32
         assert batch.logits_indices.tolist() == [
-            end - 1 for s, end in zip(plan.requests, batch.meta.query_start_loc[1:].tolist(), strict=True)
-            if s.needs_sample]
+            end - 1
+            for s, end in zip(plan.requests, batch.meta.query_start_loc[1:].tolist(), strict=True)
+            if s.needs_sample
+        ]
     assert saw_partial_chunk, "the budget should split prompt a into chunks"
     # The first logits of a prompt equal a plain sdpa forward of the whole prompt at its last position.
     model = tiny_loaded.model
@@ -85,7 +100,9 @@ def test_logits_are_computed_only_for_sampled_positions_and_equal_the_full_forwa
             full = model(torch.tensor([PROMPTS["b"]])).logits[0, -1]
     finally:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    step = next(i for i, (plan, _) in enumerate(batches) if any(s.request_id == "b" for s in plan.requests))
+    step = next(
+        i for i, (plan, _) in enumerate(batches) if any(s.request_id == "b" for s in plan.requests)
+    )
     row = [s.request_id for s in batches[step][0].requests if s.needs_sample].index("b")
     torch.testing.assert_close(logits_seen[step][row], full, rtol=1e-4, atol=1e-4)
 
@@ -98,11 +115,15 @@ def test_attention_adapter_receives_paged_context_through_kwargs(default_tokeniz
 
     def spy(module, query, key, value, attention_mask, scaling=None, paged_context=None, **kwargs):
         calls.append((module.layer_idx, paged_context))
-        return paged_attention_forward(module, query, key, value, attention_mask, scaling, paged_context, **kwargs)
+        return paged_attention_forward(
+            module, query, key, value, attention_mask, scaling, paged_context, **kwargs
+        )
 
     ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION] = spy  # a local override of this one mapping
     try:
-        engine.add_request("r", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        engine.add_request(
+            "r", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        )
         while engine.has_unfinished_requests():
             engine.step()
     finally:

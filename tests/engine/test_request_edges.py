@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from configs import SamplingParams
-from engine.errors import InvalidRequestError
+from pagedserve.configs import SamplingParams
+from pagedserve.engine.errors import InvalidRequestError
 from tests.engine.conftest import greedy_params, make_engine, make_tiny_model, run_to_completion
 
 PROMPT = [17, 300, 42, 999, 8, 64, 7]
@@ -20,11 +20,16 @@ def tiny_loaded(default_tokenizer):
     return make_tiny_model("llama-gqa", default_tokenizer, seed=1)
 
 
-@pytest.mark.parametrize(("first", "second"), [
-    (("a#1", 1), ("a", 2)),  # a choice id of the second equals the first's request id
-    (("a", 2), ("a#1", 1)),  # the second's request id equals a choice id of the first
-])
-def test_a_request_whose_choice_ids_collide_is_refused_and_queues_nothing(tiny_loaded, first, second):
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (("a#1", 1), ("a", 2)),  # a choice id of the second equals the first's request id
+        (("a", 2), ("a#1", 1)),  # the second's request id equals a choice id of the first
+    ],
+)
+def test_a_request_whose_choice_ids_collide_is_refused_and_queues_nothing(
+    tiny_loaded, first, second
+):
     engine = make_engine(tiny_loaded, block_size=4)
     engine.add_request(first[0], PROMPT, greedy_params(4, n=first[1]))
     with pytest.raises(InvalidRequestError, match="already in use"):
@@ -39,7 +44,7 @@ def test_a_stop_string_completed_by_the_last_allowed_token_finishes_as_stop(tiny
     free = run_to_completion(engine)
     tokenizer = engine.tokenizer
     before_last = tokenizer.decode(free.token_ids["free"][:5])
-    last_piece = tokenizer.decode(free.token_ids["free"])[len(before_last):]
+    last_piece = tokenizer.decode(free.token_ids["free"])[len(before_last) :]
     assert last_piece.strip() and last_piece not in before_last, "pick another prompt"
 
     engine.add_request("stopped", PROMPT, greedy_params(6, stop=(last_piece,)))
@@ -49,11 +54,11 @@ def test_a_stop_string_completed_by_the_last_allowed_token_finishes_as_stop(tiny
     assert run.texts["stopped"] == free.texts["free"][: len(free.texts["free"]) - len(last_piece)]
 
 
-
 def test_an_n3_request_reports_its_earliest_choice_s_queue_and_prefill_times(tiny_loaded):
     engine = make_engine(tiny_loaded, block_size=4)
-    engine.add_request("r", PROMPT, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=4,
-                                                  ignore_eos=True))
+    engine.add_request(
+        "r", PROMPT, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+    )
     choices = [engine.scheduler.requests[f"r#{index}"] for index in range(3)]
     timings = []
     while engine.has_unfinished_requests():
@@ -65,7 +70,8 @@ def test_an_n3_request_reports_its_earliest_choice_s_queue_and_prefill_times(tin
 
 
 def test_prompt_tokens_are_counted_per_choice_once_prefilled_and_not_for_aborted_requests(
-        tiny_loaded):
+    tiny_loaded,
+):
     engine = make_engine(tiny_loaded, block_size=4)
     engine.add_request("pair", PROMPT, SamplingParams(n=2, max_tokens=2, ignore_eos=True))
     engine.add_request("gone", PROMPT[:3], greedy_params(2))

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from configs import SamplingParams
-from engine.sampler import Sampler, SamplingRow
+from pagedserve.configs import SamplingParams
+from pagedserve.engine.sampler import Sampler, SamplingRow
 from tests.engine.conftest import (
     EngineRun,
     make_engine,
@@ -21,7 +21,9 @@ from tests.engine.conftest import (
 EOS = 2
 
 
-def _row(params: SamplingParams, *, prompt=(5,), output=(), seed: int | None = None, banned=()) -> SamplingRow:
+def _row(
+    params: SamplingParams, *, prompt=(5,), output=(), seed: int | None = None, banned=()
+) -> SamplingRow:
     generator = None if seed is None else torch.Generator().manual_seed(seed)
     return SamplingRow("r", params, list(prompt), list(output), EOS, generator, list(banned))
 
@@ -84,7 +86,9 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     sampler = Sampler()
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
     # token 0 (seen, 2.0 -> 1.0) loses to token 1 (unseen, 1.9)
-    assert sampler.sample(torch.tensor([[2.0, 1.9, 0.0]]), [_row(params, prompt=[0])])[0].token_id == 1
+    assert (
+        sampler.sample(torch.tensor([[2.0, 1.9, 0.0]]), [_row(params, prompt=[0])])[0].token_id == 1
+    )
     # seen negative logit gets more negative: token 2 (-0.1 -> -0.2) loses to token 1 (-0.15)
     logits = torch.tensor([[-5.0, -0.15, -0.1]])
     assert sampler.sample(logits, [_row(params, prompt=[2])])[0].token_id == 1
@@ -94,7 +98,9 @@ def test_frequency_and_presence_penalties_count_output_tokens_only():
     sampler = Sampler()
     logits = torch.tensor([[2.0, 1.5, 0.0]])
     frequency = SamplingParams(temperature=0.0, frequency_penalty=0.3)
-    assert sampler.sample(logits, [_row(frequency, prompt=[0, 0, 0], output=[0])])[0].token_id == 0  # 1.7 > 1.5
+    assert (
+        sampler.sample(logits, [_row(frequency, prompt=[0, 0, 0], output=[0])])[0].token_id == 0
+    )  # 1.7 > 1.5
     assert sampler.sample(logits, [_row(frequency, output=[0, 0])])[0].token_id == 1  # 1.4 < 1.5
     presence = SamplingParams(temperature=0.0, presence_penalty=0.6)
     assert sampler.sample(logits, [_row(presence, output=[0])])[0].token_id == 1  # 1.4 < 1.5
@@ -111,8 +117,12 @@ def test_banned_tokens_below_min_tokens_are_never_sampled():
     assert Sampler().sample(logits, [_row(greedy, banned=[EOS])])[0].token_id != EOS
     draws = _draw_many([0.0, 0.0, 50.0, 0.0], SamplingParams(temperature=1.0), num_draws=1)
     assert draws == [EOS]
-    sampled = {Sampler(seed=s).sample(logits, [_row(SamplingParams(temperature=1.0), banned=[EOS])])[0].token_id
-               for s in range(20)}
+    sampled = {
+        Sampler(seed=s)
+        .sample(logits, [_row(SamplingParams(temperature=1.0), banned=[EOS])])[0]
+        .token_id
+        for s in range(20)
+    }
     assert EOS not in sampled
 
 
@@ -122,7 +132,9 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits_with_top_alternatives():
     result = Sampler().sample(logits, [_row(params)])[0]
     expected = torch.log_softmax(logits[0], dim=-1)
     assert result.token_id == 1
-    assert result.logprob.token_id == 1 and result.logprob.logprob == pytest.approx(float(expected[1]), abs=1e-6)
+    assert result.logprob.token_id == 1 and result.logprob.logprob == pytest.approx(
+        float(expected[1]), abs=1e-6
+    )
     ids = [token_id for token_id, _ in result.logprob.top_logprobs]
     assert ids == [1, 2, 0]
     for token_id, value in result.logprob.top_logprobs:
@@ -134,9 +146,11 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits_with_top_alternatives():
 def test_one_failing_row_does_not_fail_the_others():
     logits = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
     penalised = SamplingParams(temperature=0.0, repetition_penalty=1.5)
-    rows = [_row(SamplingParams(temperature=0.0)),
-            _row(penalised, prompt=[10**6]),  # a token id outside the vocabulary: this row raises
-            _row(SamplingParams(temperature=0.7), seed=1)]
+    rows = [
+        _row(SamplingParams(temperature=0.0)),
+        _row(penalised, prompt=[10**6]),  # a token id outside the vocabulary: this row raises
+        _row(SamplingParams(temperature=0.7), seed=1),
+    ]
     results = Sampler().sample(logits, rows)
     assert results[0].token_id == 1
     assert isinstance(results[1], Exception)
@@ -173,10 +187,18 @@ def test_seeded_request_gives_the_same_output_alone_and_amid_other_requests(tiny
     alone = _generate_alone(tiny_loaded, prompt, params, block_size=4)
     assert alone == _generate_alone(tiny_loaded, prompt, params, block_size=4)
     engine = make_engine(tiny_loaded, block_size=4, max_num_batched_tokens=20)
-    engine.add_request("long", list(range(3, 60)), SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True))
-    engine.add_request("other-seed", prompt, SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True))
+    engine.add_request(
+        "long", list(range(3, 60)), SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    )
+    engine.add_request(
+        "other-seed",
+        prompt,
+        SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True),
+    )
     engine.add_request("seeded", prompt, params)
-    engine.add_request("unseeded", prompt[:3], SamplingParams(temperature=1.5, max_tokens=5, ignore_eos=True))
+    engine.add_request(
+        "unseeded", prompt[:3], SamplingParams(temperature=1.5, max_tokens=5, ignore_eos=True)
+    )
     engine.add_request("twin", prompt, params)
     run = run_to_completion(engine)
     assert run.token_ids["seeded"] == alone
@@ -196,7 +218,9 @@ def test_min_tokens_bans_eos_until_reached(tiny_loaded):
 
 
 def test_n4_shares_prompt_blocks_then_diverges_by_copy_on_write_and_frees_everything(tiny_loaded):
-    prompt = [int(t) for t in torch.randint(3, 1000, (21,), generator=torch.Generator().manual_seed(5))]
+    prompt = [
+        int(t) for t in torch.randint(3, 1000, (21,), generator=torch.Generator().manual_seed(5))
+    ]
     params = SamplingParams(n=4, temperature=1.0, seed=77, max_tokens=12, ignore_eos=True)
     engine = make_engine(tiny_loaded, block_size=4, num_kv_blocks=64)
     run = EngineRun()
@@ -210,6 +234,10 @@ def test_n4_shares_prompt_blocks_then_diverges_by_copy_on_write_and_frees_everyt
     assert len({tuple(output) for output in outputs}) == 4, "the choices did not diverge"
     # choice i samples with seed + i: each must equal that seed run on its own (no KV corruption)
     for index, output in enumerate(outputs):
-        alone = _generate_alone(tiny_loaded, prompt, SamplingParams(
-            temperature=1.0, seed=77 + index, max_tokens=12, ignore_eos=True), block_size=4)
+        alone = _generate_alone(
+            tiny_loaded,
+            prompt,
+            SamplingParams(temperature=1.0, seed=77 + index, max_tokens=12, ignore_eos=True),
+            block_size=4,
+        )
         assert output == alone, f"choice {index} differs from seed {77 + index} run alone"

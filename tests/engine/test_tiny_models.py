@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers
 
-from cache.attention import TorchPagedAttention
-from cache.cache_engine import CacheEngine
-from cache.cache_spec import CacheSpec
-from engine.model_runner import ModelRunner
+from pagedserve.cache.attention import TorchPagedAttention
+from pagedserve.cache.cache_engine import CacheEngine
+from pagedserve.cache.cache_spec import CacheSpec
+from pagedserve.engine.model_runner import ModelRunner
 from tests.engine.conftest import (
     TINY_FAMILIES,
     TINY_VOCAB_SIZE,
@@ -32,16 +32,24 @@ MAX_NEW_TOKENS = 16
 
 def _prompts() -> dict[str, list[int]]:
     rng = random.Random(1234)
-    return {f"p{length}": [rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(length)] for length in PROMPT_LENGTHS}
+    return {
+        f"p{length}": [rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(length)]
+        for length in PROMPT_LENGTHS
+    }
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_FAMILIES))
 def family_case(request, default_tokenizer):
     """(family, loaded model, HF references): references computed once per family."""
     loaded = make_tiny_model(request.param, default_tokenizer)
-    references = {rid: hf_greedy_reference(loaded.model, prompt, MAX_NEW_TOKENS) for rid, prompt in _prompts().items()}
+    references = {
+        rid: hf_greedy_reference(loaded.model, prompt, MAX_NEW_TOKENS)
+        for rid, prompt in _prompts().items()
+    }
     distinct = {tuple(reference.token_ids) for reference in references.values()}
-    assert len(distinct) > len(references) // 2, "the tiny model's outputs are too degenerate to compare"
+    assert len(distinct) > len(references) // 2, (
+        "the tiny model's outputs are too degenerate to compare"
+    )
     return request.param, loaded, references
 
 
@@ -50,17 +58,27 @@ def family_case(request, default_tokenizer):
     [(1, 24, "auto"), (5, 13, "auto"), (16, 40, "auto"), (16, 2048, "auto"), (5, 13, "torch")],
     ids=["bs1-chunk24", "bs5-chunk13", "bs16-chunk40", "bs16-unchunked", "bs5-chunk13-torch"],
 )
-def test_tiny_model_greedy_output_equals_hf_generate(family_case, block_size, max_num_batched_tokens,
-                                                     attention_backend):
+def test_tiny_model_greedy_output_equals_hf_generate(
+    family_case, block_size, max_num_batched_tokens, attention_backend
+):
     family, loaded, references = family_case
-    engine = make_engine(loaded, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-                         attention_backend=attention_backend, num_kv_blocks=4096 // block_size)
+    engine = make_engine(
+        loaded,
+        block_size=block_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        attention_backend=attention_backend,
+        num_kv_blocks=4096 // block_size,
+    )
     add_requests(engine, _prompts(), greedy_params(MAX_NEW_TOKENS))
     run = run_to_completion(engine)
     if max_num_batched_tokens < max(PROMPT_LENGTHS):
-        assert any(not s.needs_sample for plan in run.plans for s in plan.requests), "no chunked prefill happened"
+        assert any(not s.needs_sample for plan in run.plans for s in plan.requests), (
+            "no chunked prefill happened"
+        )
     for request_id, reference in references.items():
-        assert_matches_reference(run.token_ids[request_id], reference, f"{family} bs={block_size} {request_id}")
+        assert_matches_reference(
+            run.token_ids[request_id], reference, f"{family} bs={block_size} {request_id}"
+        )
         assert run.finish_reasons[request_id] == "length"
 
 
@@ -73,7 +91,9 @@ def test_tiny_model_greedy_output_equals_hf_generate_under_preemption(family_cas
     run = run_to_completion(engine)
     assert engine.stats().num_preemptions > 0
     for request_id in prompts:
-        assert_matches_reference(run.token_ids[request_id], references[request_id], f"{family} preempted {request_id}")
+        assert_matches_reference(
+            run.token_ids[request_id], references[request_id], f"{family} preempted {request_id}"
+        )
 
 
 def _tiny(model_class: type, config: object) -> torch.nn.Module:
@@ -83,18 +103,51 @@ def _tiny(model_class: type, config: object) -> torch.nn.Module:
 
 UNSERVABLE = {
     # transformers keeps its own attention for classes outside AttentionInterface: no history.
-    "bloom": (lambda: _tiny(transformers.BloomForCausalLM, transformers.BloomConfig(
-        vocab_size=128, hidden_size=64, n_head=4, n_layer=2)), "AttentionInterface"),
-    "gemma2-softcap": (lambda: _tiny(transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_hidden_layers=2, attn_logit_softcapping=1.0)),
-        "soft-caps"),
-    "phi3-longrope": (lambda: _tiny(transformers.Phi3ForCausalLM, transformers.Phi3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
-        original_max_position_embeddings=64, pad_token_id=0,
-        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
-                      "long_factor": [2.0] * 8})), "longrope"),
+    "bloom": (
+        lambda: _tiny(
+            transformers.BloomForCausalLM,
+            transformers.BloomConfig(vocab_size=128, hidden_size=64, n_head=4, n_layer=2),
+        ),
+        "AttentionInterface",
+    ),
+    "gemma2-softcap": (
+        lambda: _tiny(
+            transformers.Gemma2ForCausalLM,
+            transformers.Gemma2Config(
+                vocab_size=128,
+                hidden_size=64,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                num_hidden_layers=2,
+                attn_logit_softcapping=1.0,
+            ),
+        ),
+        "soft-caps",
+    ),
+    "phi3-longrope": (
+        lambda: _tiny(
+            transformers.Phi3ForCausalLM,
+            transformers.Phi3Config(
+                vocab_size=128,
+                hidden_size=64,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_hidden_layers=2,
+                max_position_embeddings=256,
+                original_max_position_embeddings=64,
+                pad_token_id=0,
+                rope_scaling={
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8,
+                },
+            ),
+        ),
+        "longrope",
+    ),
 }
 
 

@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cache.attention import AttentionMetadata  # noqa: E402
+from pagedserve.cache.attention import AttentionMetadata  # noqa: E402
 
 PagedBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
 
@@ -73,7 +73,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 def assert_matches_reference(backend, batch: PagedBatch, scale: float = 0.125) -> None:
     """Run `backend` and the torch reference on one batch; fail with the error if out of tolerance."""
-    from cache.attention import TorchPagedAttention
+    from pagedserve.cache.attention import TorchPagedAttention
 
     query, key_cache, value_cache, meta = batch
     actual = backend.forward(query, key_cache, value_cache, meta, scale)
@@ -98,6 +98,6 @@ def matches_reference() -> Callable[..., None]:
 @pytest.fixture(scope="session")
 def cpu_backend():
     """The C++ backend, built once per session (the first build takes about a minute)."""
-    from cache.attention.cpu import CpuPagedAttention
+    from pagedserve.cache.attention.cpu import CpuPagedAttention
 
     return CpuPagedAttention()

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from cache.attention import TorchPagedAttention, get_attention_backend
+from pagedserve.cache.attention import TorchPagedAttention, get_attention_backend
 
 CPU = torch.device("cpu")
 
@@ -32,20 +32,20 @@ def test_triton_on_cpu_without_interpreter_raises_clear_error(monkeypatch):
 
 
 def test_auto_falls_back_to_reference_with_warning_when_kernel_build_fails(monkeypatch, caplog):
-    from cache.attention import cpu
+    from pagedserve.cache.attention import cpu
 
     def failing_build():
         raise RuntimeError("compiler exploded")
 
     monkeypatch.setattr(cpu, "load_cpu_kernel", failing_build)
-    with caplog.at_level(logging.WARNING, logger="cache.attention"):
+    with caplog.at_level(logging.WARNING, logger="pagedserve.cache.attention"):
         backend = get_attention_backend("auto", CPU)
     assert isinstance(backend, TorchPagedAttention)
     assert "compiler exploded" in caplog.text
 
 
 def test_explicit_cpu_backend_raises_when_kernel_build_fails(monkeypatch):
-    from cache.attention import cpu
+    from pagedserve.cache.attention import cpu
 
     monkeypatch.setattr(
         cpu, "load_cpu_kernel", lambda: (_ for _ in ()).throw(RuntimeError("no cc"))

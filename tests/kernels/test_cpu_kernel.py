@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache.attention import AttentionMetadata
+from pagedserve.cache.attention import AttentionMetadata
 
 # Decode with context, whole prefill, a first token, a prefill chunk after a cached prefix that
 # spans several query tiles, and a short chunk after a prefix.
@@ -141,8 +141,16 @@ def test_cpu_kernel_widens_a_smaller_cache_with_an_odd_head_size(
     cpu_backend, paged_batch, matches_reference, kv_dtype
 ):
     # head_dim 40 = two whole 16-lane vectors and a partial one: the widening's tail path.
-    batch = paged_batch([1, 20], [30, 45], num_heads=4, num_kv_heads=2, head_dim=40,
-                        block_size=7, kv_dtype=kv_dtype, seed=5)
+    batch = paged_batch(
+        [1, 20],
+        [30, 45],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=40,
+        block_size=7,
+        kv_dtype=kv_dtype,
+        seed=5,
+    )
     matches_reference(cpu_backend, batch)
 
 
@@ -170,10 +178,11 @@ def test_cpu_kernel_widens_every_fp8_value_exactly(cpu_backend):
 def test_cpu_backend_falls_back_to_the_reference_for_heads_beyond_the_kernel(
     cpu_backend, paged_batch, matches_reference, caplog
 ):
-    from cache.attention.cpu import MAX_HEAD_DIM
+    from pagedserve.cache.attention.cpu import MAX_HEAD_DIM
 
-    batch = paged_batch([1, 3], [5, 3], num_heads=2, num_kv_heads=1, head_dim=MAX_HEAD_DIM + 8,
-                        block_size=4)
-    with caplog.at_level("WARNING", logger="cache.attention.cpu"):
+    batch = paged_batch(
+        [1, 3], [5, 3], num_heads=2, num_kv_heads=1, head_dim=MAX_HEAD_DIM + 8, block_size=4
+    )
+    with caplog.at_level("WARNING", logger="pagedserve.cache.attention.cpu"):
         matches_reference(cpu_backend, batch)
     assert "slow torch reference" in caplog.text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cache.attention import AttentionMetadata, TorchPagedAttention
+from pagedserve.cache.attention import AttentionMetadata, TorchPagedAttention
 
 
 def _metadata(

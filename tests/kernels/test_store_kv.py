@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache.attention import get_attention_backend
+from pagedserve.cache.attention import get_attention_backend
 
 BACKENDS = ["torch", "cpu", "triton"]
 

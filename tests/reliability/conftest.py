@@ -29,5 +29,3 @@ def http(server: ServerProcess) -> Iterator[httpx.Client]:
     """A raw client with the API key, so that tests control the bytes of each body."""
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client:
         yield client
-
-

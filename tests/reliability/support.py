@@ -17,8 +17,18 @@ from tests.server_process import ServerProcess as SharedServerProcess
 API_KEY = "reliability-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # The shared server's pool: 64 blocks x 16 tokens = 1024 slots = one request at max_model_len.
-SHARED_SERVER_ARGS = ("--num-kv-blocks", "64", "--block-size", "16", "--max-model-len", "1024",
-                      "--api-key", API_KEY, "--timeout-graceful-shutdown", "3")
+SHARED_SERVER_ARGS = (
+    "--num-kv-blocks",
+    "64",
+    "--block-size",
+    "16",
+    "--max-model-len",
+    "1024",
+    "--api-key",
+    API_KEY,
+    "--timeout-graceful-shutdown",
+    "3",
+)
 ERROR_FIELDS = {"message", "type", "param", "code"}
 # Knobs of this suite. The server rejects unknown PAGEDSERVE_* variables, so they stay out of its
 # environment.
@@ -84,14 +94,18 @@ def total_blocks(url: str) -> int:
     return int(re.search(r'num_blocks="(\d+)"', info).group(1))  # type: ignore[union-attr]
 
 
-def wait_for_idle_pool(url: str, idle_free_blocks: int, timeout_s: float = 30.0) -> dict[str, float]:
+def wait_for_idle_pool(
+    url: str, idle_free_blocks: int, timeout_s: float = 30.0
+) -> dict[str, float]:
     """Poll /metrics until nothing runs or waits and every block is free; return the last sample."""
     deadline = time.monotonic() + timeout_s
     while True:
         samples = read_metrics(url)
-        idle = (samples["pagedserve:num_free_blocks"] == idle_free_blocks
-                and samples["pagedserve:num_requests_running"] == 0
-                and samples["pagedserve:num_requests_waiting"] == 0)
+        idle = (
+            samples["pagedserve:num_free_blocks"] == idle_free_blocks
+            and samples["pagedserve:num_requests_running"] == 0
+            and samples["pagedserve:num_requests_waiting"] == 0
+        )
         if idle or time.monotonic() > deadline:
             return samples
         time.sleep(0.2)
@@ -111,8 +125,9 @@ def assert_no_stack_trace(text: str) -> None:
     assert "Traceback" not in text and 'File "' not in text, f"stack trace leaked: {text[:500]}"
 
 
-def assert_openai_error(status_code: int, text: str, statuses: range | set[int] = range(400, 500)
-                        ) -> dict[str, Any]:
+def assert_openai_error(
+    status_code: int, text: str, statuses: range | set[int] = range(400, 500)
+) -> dict[str, Any]:
     """The body is exactly OpenAI's `{"error": {message, type, param, code}}` with a 4xx (or one
     of `statuses`); returns the inner error object."""
     assert status_code in statuses, f"status {status_code}: {text[:500]}"
@@ -148,7 +163,7 @@ def parse_sse(lines: list[str]) -> tuple[list[dict[str, Any]], bool]:
         if not line:
             continue
         assert line.startswith("data: "), line
-        payload = line[len("data: "):]
+        payload = line[len("data: ") :]
         assert not done, f"event after [DONE]: {line}"
         if payload == "[DONE]":
             done = True

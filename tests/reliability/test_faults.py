@@ -21,10 +21,10 @@ import httpx
 import pytest
 import uvicorn
 
-from configs import load_engine_config
-from scheduler import RequestStatus
-from server.app import create_app
-from server.cli import GracefulServer
+from pagedserve.configs import load_engine_config
+from pagedserve.scheduler import RequestStatus
+from pagedserve.server.app import create_app
+from pagedserve.server.cli import GracefulServer
 from tests.reliability.support import (
     STARTUP_TIMEOUT_S,
     assert_completion,
@@ -94,9 +94,14 @@ class Harness:
 
     def assert_pool_idle(self, timeout_s: float = 30) -> None:
         pool = self.llm.block_manager.pool
-        idle = wait_for(lambda: pool.num_free_blocks == NUM_BLOCKS
-                        and not self.llm.has_unfinished_requests()
-                        and not self.engine._streams, timeout_s)
+        idle = wait_for(
+            lambda: (
+                pool.num_free_blocks == NUM_BLOCKS
+                and not self.llm.has_unfinished_requests()
+                and not self.engine._streams
+            ),
+            timeout_s,
+        )
         assert idle, (pool.num_free_blocks, self.llm.scheduler.requests, self.engine._streams)
         assert self.metric("pagedserve:num_free_blocks") == NUM_BLOCKS
 
@@ -112,13 +117,25 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 30) -> bool:
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[Harness]:
-    config = load_engine_config(cli={
-        "num_kv_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "max_model_len": 128,
-        "max_num_batched_tokens": 16, "max_num_seqs": 8, "log_level": "warning"}, environ={})
+    config = load_engine_config(
+        cli={
+            "num_kv_blocks": NUM_BLOCKS,
+            "block_size": BLOCK_SIZE,
+            "max_model_len": 128,
+            "max_num_batched_tokens": 16,
+            "max_num_seqs": 8,
+            "log_level": "warning",
+        },
+        environ={},
+    )
     app = create_app(config)
     port = free_port()
-    server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5), grace_s=0.5)
+    server = GracefulServer(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5
+        ),
+        grace_s=0.5,
+    )
     thread = threading.Thread(target=server.run, name="reliability-uvicorn", daemon=True)
     thread.start()
     assert wait_for(lambda: server.started or not thread.is_alive(), STARTUP_TIMEOUT_S)
@@ -146,8 +163,11 @@ def open_raw_request(url: str, path: str, body: dict[str, Any]) -> socket.socket
     host, port = url.removeprefix("http://").split(":")
     payload = json.dumps(body).encode()
     sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
     return sock
 
 
@@ -157,8 +177,9 @@ def complete(url: str, **body: Any) -> dict[str, Any]:
     return dict(response.json())
 
 
-def abort_at(h: Harness, phase_reached: Callable[[Any], bool], num_steps_each: int,
-             body: dict[str, Any]) -> Any:
+def abort_at(
+    h: Harness, phase_reached: Callable[[Any], bool], num_steps_each: int, body: dict[str, Any]
+) -> Any:
     """Pause the engine, send `body`, run `num_steps_each` steps at a time until its engine
     request satisfies `phase_reached`, then disconnect while paused; return the request as it was
     when aborted (the engine thread is paused, so it cannot move on)."""
@@ -192,8 +213,11 @@ def _wait_engine_request(h: Harness) -> str:
 
 def test_request_aborted_while_waiting_frees_everything_and_the_server_serves_on(h):
     status, num_computed, _ = abort_at(
-        h, lambda request: request is not None, 0,
-        {"prompt": "Hello there", "max_tokens": 8, "stream": True})
+        h,
+        lambda request: request is not None,
+        0,
+        {"prompt": "Hello there", "max_tokens": 8, "stream": True},
+    )
     assert status == RequestStatus.WAITING and num_computed == 0
     assert_completion(complete(h.url, prompt="Hello", max_tokens=2))
 
@@ -203,7 +227,8 @@ def test_request_aborted_while_prefilling_frees_its_partial_blocks(h):
         return request is not None and 0 < request.num_computed_tokens < request.num_prompt_tokens
 
     status, num_computed, num_output = abort_at(
-        h, mid_prefill, 1, {"prompt": PROMPT_60_TOKENS, "max_tokens": 4, "stream": True})
+        h, mid_prefill, 1, {"prompt": PROMPT_60_TOKENS, "max_tokens": 4, "stream": True}
+    )
     assert status == RequestStatus.RUNNING and num_computed > 0 and num_output == 0
     assert_completion(complete(h.url, prompt="Hello", max_tokens=2))
 
@@ -213,8 +238,11 @@ def test_request_aborted_while_decoding_frees_its_blocks(h):
         return request is not None and request.num_output_tokens >= 2
 
     status, _, num_output = abort_at(
-        h, decoding, 1, {"prompt": "Count: one two", "max_tokens": 40, "stream": True,
-                         "ignore_eos": True})
+        h,
+        decoding,
+        1,
+        {"prompt": "Count: one two", "max_tokens": 40, "stream": True, "ignore_eos": True},
+    )
     assert status == RequestStatus.RUNNING and num_output >= 2
     assert_completion(complete(h.url, prompt="Hello", max_tokens=2))
 
@@ -222,10 +250,8 @@ def test_request_aborted_while_decoding_frees_its_blocks(h):
 def test_client_disconnecting_mid_stream_aborts_and_others_complete(h):
     aborted_before = h.metric("pagedserve:request_aborted_total")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        bystander = pool.submit(complete, h.url, prompt="The capital of France is",
-                                max_tokens=6)
-        body = {"prompt": "Once upon a time", "max_tokens": 40, "stream": True,
-                "ignore_eos": True}
+        bystander = pool.submit(complete, h.url, prompt="The capital of France is", max_tokens=6)
+        body = {"prompt": "Once upon a time", "max_tokens": 40, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{h.url}/v1/completions", json=body, timeout=60) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
@@ -241,8 +267,9 @@ def test_client_disconnecting_mid_stream_aborts_and_others_complete(h):
 
 def test_a_sampling_error_fails_only_its_request(h, monkeypatch):
     prompts = ("The capital of France is", "1, 2, 3, 4,")
-    reference = [complete(h.url, prompt=prompt, max_tokens=4)["choices"][0]["text"]
-                 for prompt in prompts]
+    reference = [
+        complete(h.url, prompt=prompt, max_tokens=4)["choices"][0]["text"] for prompt in prompts
+    ]
     sampler = h.llm.sampler
     original = sampler._sample_row
 
@@ -252,10 +279,17 @@ def test_a_sampling_error_fails_only_its_request(h, monkeypatch):
         return original(logits, row)
 
     monkeypatch.setattr(sampler, "_sample_row", failing_sample_row)
-    errors_before = h.metric('pagedserve:request_success_total{finished_reason="error",'
-                             'model_name="SmolLM2-135M-Instruct"}')
-    faulty = {"prompt": "Tell me a story", "max_tokens": 8, "temperature": 1.0,
-              "seed": SENTINEL_SEED, "ignore_eos": True}
+    errors_before = h.metric(
+        'pagedserve:request_success_total{finished_reason="error",'
+        'model_name="SmolLM2-135M-Instruct"}'
+    )
+    faulty = {
+        "prompt": "Tell me a story",
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": SENTINEL_SEED,
+        "ignore_eos": True,
+    }
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         normal = [pool.submit(complete, h.url, prompt=prompt, max_tokens=4) for prompt in prompts]
         failed_plain = pool.submit(complete, h.url, **faulty)
@@ -268,24 +302,37 @@ def test_a_sampling_error_fails_only_its_request(h, monkeypatch):
     assert plain["choices"][0]["finish_reason"] == "error", plain
     assert plain["usage"]["completion_tokens"] == 2, plain
     assert done and events[-1]["choices"][0]["finish_reason"] == "error", events[-3:]
-    assert h.metric('pagedserve:request_success_total{finished_reason="error",'
-                    'model_name="SmolLM2-135M-Instruct"}') == errors_before + 2
+    assert (
+        h.metric(
+            'pagedserve:request_success_total{finished_reason="error",'
+            'model_name="SmolLM2-135M-Instruct"}'
+        )
+        == errors_before + 2
+    )
     h.assert_pool_idle()
 
 
 def test_a_bug_while_adding_a_request_fails_only_that_request_with_a_500(h, monkeypatch):
     original = h.llm.add_request
 
-    def failing_add_request(request_id: str, prompt_token_ids: list[int], params: Any,
-                            **kwargs: Any) -> None:
+    def failing_add_request(
+        request_id: str, prompt_token_ids: list[int], params: Any, **kwargs: Any
+    ) -> None:
         if params.seed == SENTINEL_SEED:
             raise KeyError("injected add fault")
         original(request_id, prompt_token_ids, params, **kwargs)
 
     monkeypatch.setattr(h.llm, "add_request", failing_add_request)
-    response = httpx.post(f"{h.url}/v1/completions", timeout=60, json={
-        "model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 2,
-        "seed": SENTINEL_SEED})
+    response = httpx.post(
+        f"{h.url}/v1/completions",
+        timeout=60,
+        json={
+            "model": "SmolLM2-135M-Instruct",
+            "prompt": "Hello",
+            "max_tokens": 2,
+            "seed": SENTINEL_SEED,
+        },
+    )
     assert response.status_code == 500, response.text
     error = response.json()["error"]
     assert error["type"] == "server_error"
@@ -318,8 +365,9 @@ def test_a_failing_forward_pass_fails_its_batch_and_the_engine_serves_on(h, monk
 def test_an_oversubscribed_pool_preempts_and_completes_every_request(h):
     preemptions_before = h.metric("pagedserve:num_preemptions_total")
     prompts = ["The quick brown fox jumps over the", "In the beginning there was"]
-    bodies = [{"prompt": prompt, "max_tokens": 12, "ignore_eos": True}
-              for prompt in prompts * 2]  # 4 x 4-5 blocks against a pool of 16
+    bodies = [
+        {"prompt": prompt, "max_tokens": 12, "ignore_eos": True} for prompt in prompts * 2
+    ]  # 4 x 4-5 blocks against a pool of 16
     # Held at the gate until all four are in the scheduler: arriving one by one, a request could
     # finish before the last one starts and nothing would need preempting.
     h.gate.pause()
@@ -333,14 +381,17 @@ def test_an_oversubscribed_pool_preempts_and_completes_every_request(h):
         assert_completion(result)
         assert result["usage"]["completion_tokens"] == 12
     texts = [result["choices"][0]["text"] for result in results]
-    assert texts[0::2] == [texts[0]] * 2 and texts[1::2] == [texts[1]] * 2  # greedy, preempted or not
+    assert (
+        texts[0::2] == [texts[0]] * 2 and texts[1::2] == [texts[1]] * 2
+    )  # greedy, preempted or not
     assert h.metric("pagedserve:num_preemptions_total") > preemptions_before
     h.assert_pool_idle()
 
 
 def test_a_request_larger_than_the_whole_pool_is_rejected_up_front(h):
-    response = httpx.post(f"{h.url}/v1/completions", timeout=30,
-                          json={"prompt": PROMPT_60_TOKENS, "max_tokens": 60})
+    response = httpx.post(
+        f"{h.url}/v1/completions", timeout=30, json={"prompt": PROMPT_60_TOKENS, "max_tokens": 60}
+    )
     assert_openai_error(response.status_code, response.text, {400})
 
 

@@ -73,15 +73,23 @@ def _check_success(response: httpx.Response) -> None:
 
 
 def test_fuzzing_the_openapi_schema_never_gives_a_5xx_or_a_malformed_error(
-        http, server, shared_server):
+    http, server, shared_server
+):
     schema = schemathesis.openapi.from_dict(http.get("/openapi.json").json())
-    strategy = st.one_of(schema.as_strategy(GenerationMode.POSITIVE),
-                         schema.as_strategy(GenerationMode.NEGATIVE))
+    strategy = st.one_of(
+        schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE)
+    )
     deadline = time.monotonic() + FUZZ_SECONDS
     sent: dict[str, int] = {}
 
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=False,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=False,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=strategy)
     def send_one(case: Any) -> None:
         if time.monotonic() > deadline:
@@ -94,8 +102,14 @@ def test_fuzzing_the_openapi_schema_never_gives_a_5xx_or_a_malformed_error(
         headers = {**{k: str(v) for k, v in (case.headers or {}).items()}, **AUTH}
         if content is not None:
             headers["Content-Type"] = case.media_type or "application/json"
-        response = http.request(case.method, case.formatted_path, content=content,
-                                headers=headers, params=case.query or None, timeout=60)
+        response = http.request(
+            case.method,
+            case.formatted_path,
+            content=content,
+            headers=headers,
+            params=case.query or None,
+            timeout=60,
+        )
         key = f"{case.method} {case.path} {response.status_code}"
         sent[key] = sent.get(key, 0) + 1
         if response.status_code >= 400:

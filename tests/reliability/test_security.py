@@ -10,15 +10,21 @@ from typing import Any
 import httpx
 import pytest
 
-from configs import load_engine_config
-from configs.engine import ModelConfig
-from server import middleware
-from server.cli import build_parser, config_from_args
+from pagedserve.configs import load_engine_config
+from pagedserve.configs.engine import ModelConfig
+from pagedserve.server import middleware
+from pagedserve.server.cli import build_parser, config_from_args
 from tests.reliability.support import API_KEY, assert_no_stack_trace, assert_openai_error
 
-PROTECTED = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
-             ("POST", "/detokenize"), ("GET", "/v1/models"), ("GET", "/openapi.json"),
-             ("GET", "/no/such/path")]
+PROTECTED = [
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/v1/models"),
+    ("GET", "/openapi.json"),
+    ("GET", "/no/such/path"),
+]
 BAD_CREDENTIALS = {
     "missing": {},
     "wrong_key": {"Authorization": "Bearer not-the-key"},
@@ -40,8 +46,13 @@ def test_the_api_key_is_compared_in_constant_time():
 @pytest.mark.parametrize("credentials", BAD_CREDENTIALS.values(), ids=BAD_CREDENTIALS.keys())
 @pytest.mark.parametrize(("method", "path"), PROTECTED, ids=[path for _, path in PROTECTED])
 def test_a_missing_or_wrong_api_key_gets_401(server, method, path, credentials):
-    response = httpx.request(method, f"{server.url}{path}", headers=credentials, timeout=30,
-                             json={"prompt": "Hi", "max_tokens": 1} if method == "POST" else None)
+    response = httpx.request(
+        method,
+        f"{server.url}{path}",
+        headers=credentials,
+        timeout=30,
+        json={"prompt": "Hi", "max_tokens": 1} if method == "POST" else None,
+    )
     error = assert_openai_error(response.status_code, response.text, {401})
     assert error["code"] == "invalid_api_key"
     assert API_KEY not in response.text
@@ -54,16 +65,25 @@ def test_probes_and_scrapers_need_no_api_key(server, path):
 
 
 def test_an_unauthenticated_oversized_body_is_turned_away_before_it_is_read(server):
-    response = httpx.post(f"{server.url}/v1/completions", content=b"x" * (4 << 20), timeout=60,
-                          headers={"Content-Type": "application/json"})
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b"x" * (4 << 20),
+        timeout=60,
+        headers={"Content-Type": "application/json"},
+    )
     assert_openai_error(response.status_code, response.text, {401})
 
 
 def test_a_body_over_the_limit_is_413_and_a_prompt_over_the_context_is_400(http):
-    too_large = http.post("/v1/completions", content=b" " * ((1 << 20) + 1),
-                          headers={"Content-Type": "application/json"})
-    assert assert_openai_error(too_large.status_code, too_large.text, {413})["code"] == \
-        "request_too_large"
+    too_large = http.post(
+        "/v1/completions",
+        content=b" " * ((1 << 20) + 1),
+        headers={"Content-Type": "application/json"},
+    )
+    assert (
+        assert_openai_error(too_large.status_code, too_large.text, {413})["code"]
+        == "request_too_large"
+    )
     too_long = http.post("/v1/completions", json={"prompt": [42] * 1024, "max_tokens": 1})
     assert assert_openai_error(too_long.status_code, too_long.text, {400})["param"] == "prompt"
 
@@ -71,23 +91,30 @@ def test_a_body_over_the_limit_is_413_and_a_prompt_over_the_context_is_400(http)
 def test_an_unexpected_internal_error_shows_no_stack_trace(http):
     # A lone surrogate currently crashes the tokenizer (a 500, see test_bad_input): whatever the
     # status, the body must be an OpenAI error without any trace of the server's code.
-    response = http.post("/tokenize", content=b'{"prompt": "\\ud800"}',
-                         headers={"Content-Type": "application/json"})
+    response = http.post(
+        "/tokenize", content=b'{"prompt": "\\ud800"}', headers={"Content-Type": "application/json"}
+    )
     assert_openai_error(response.status_code, response.text, set(range(400, 600)))
     assert "TypeError" not in response.text and "/work/" not in response.text
 
 
 def test_trust_remote_code_is_off_unless_the_flag_is_given():
     assert load_engine_config(cli={}, environ={}).model.trust_remote_code is False
-    assert config_from_args(build_parser().parse_args(["serve"]), environ={}) \
-        .model.trust_remote_code is False
-    assert config_from_args(build_parser().parse_args(["serve", "--trust-remote-code"]),
-                            environ={}).model.trust_remote_code is True
+    assert (
+        config_from_args(build_parser().parse_args(["serve"]), environ={}).model.trust_remote_code
+        is False
+    )
+    assert (
+        config_from_args(
+            build_parser().parse_args(["serve", "--trust-remote-code"]), environ={}
+        ).model.trust_remote_code
+        is True
+    )
 
 
 @pytest.mark.parametrize("trust_remote_code", [False, True])
 def test_load_model_passes_trust_remote_code_through_as_configured(monkeypatch, trust_remote_code):
-    from engine import model_loader
+    from pagedserve.engine import model_loader
 
     calls: list[tuple[str, dict[str, Any]]] = []
 
@@ -104,12 +131,15 @@ def test_load_model_passes_trust_remote_code_through_as_configured(monkeypatch, 
         def load(path: Any, **kwargs: Any) -> Any:
             calls.append((kind, kwargs))
             return result
+
         return load
 
-    monkeypatch.setattr(model_loader.AutoModelForCausalLM, "from_pretrained",
-                        from_pretrained("model", StubModel()))
-    monkeypatch.setattr(model_loader.AutoTokenizer, "from_pretrained",
-                        from_pretrained("tokenizer", object()))
+    monkeypatch.setattr(
+        model_loader.AutoModelForCausalLM, "from_pretrained", from_pretrained("model", StubModel())
+    )
+    monkeypatch.setattr(
+        model_loader.AutoTokenizer, "from_pretrained", from_pretrained("tokenizer", object())
+    )
     model_loader.load_model(ModelConfig(trust_remote_code=trust_remote_code), "cpu")
     assert [kind for kind, _ in calls] == ["model", "tokenizer"]
     for _, kwargs in calls:
@@ -118,8 +148,11 @@ def test_load_model_passes_trust_remote_code_through_as_configured(monkeypatch, 
 
 
 def test_error_bodies_of_a_failed_auth_and_a_404_hold_no_stack_trace(server):
-    for response in (httpx.get(f"{server.url}/v1/models", timeout=30),
-                     httpx.get(f"{server.url}/v1/models/x", timeout=30,
-                               headers={"Authorization": f"Bearer {API_KEY}"})):
+    for response in (
+        httpx.get(f"{server.url}/v1/models", timeout=30),
+        httpx.get(
+            f"{server.url}/v1/models/x", timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}
+        ),
+    ):
         assert_no_stack_trace(response.text)
         assert_openai_error(response.status_code, response.text)

@@ -15,8 +15,12 @@ import httpx
 from tests.reliability.support import AUTH, assert_openai_error, parse_sse, read_metrics
 
 EXIT_TIMEOUT_S = 30.0
-LONG = {"prompt": "Write a very long story about a dragon.", "max_tokens": 400,
-        "ignore_eos": True, "temperature": 0}
+LONG = {
+    "prompt": "Write a very long story about a dragon.",
+    "max_tokens": 400,
+    "ignore_eos": True,
+    "temperature": 0,
+}
 
 
 def _plain_request(url: str) -> httpx.Response:
@@ -27,19 +31,28 @@ def _wait_until_in_engine(url: str, num_requests: int, timeout_s: float = 30.0) 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         samples = read_metrics(url)
-        if (samples["pagedserve:num_requests_running"]
-                + samples["pagedserve:num_requests_waiting"]) >= num_requests:
+        if (
+            samples["pagedserve:num_requests_running"] + samples["pagedserve:num_requests_waiting"]
+        ) >= num_requests:
             return
         time.sleep(0.05)
     raise AssertionError(f"fewer than {num_requests} requests reached the engine")
 
 
 def test_sigterm_stops_accepting_ends_open_requests_with_a_final_event_and_exits_zero(
-        shared_server):
+    shared_server,
+):
     server = shared_server.take()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool, httpx.stream(
-            "POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}, headers=AUTH,
-            timeout=60) as stream:
+    with (
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+        httpx.stream(
+            "POST",
+            f"{server.url}/v1/completions",
+            json={**LONG, "stream": True},
+            headers=AUTH,
+            timeout=60,
+        ) as stream,
+    ):
         plain = pool.submit(_plain_request, server.url)
         lines = stream.iter_lines()
         first = next(lines)

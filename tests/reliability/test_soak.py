@@ -32,21 +32,52 @@ SOAK_SECONDS = float(os.environ.get("PAGEDSERVE_SOAK_SECONDS", "120"))
 NUM_CLIENTS = 6
 MAX_HEALTH_LATENCY_S = 1.0
 MAX_RSS_GROWTH_MIB = 200
-WORDS = ["the", "a", "cat", "dog", "ran", "over", "under", "blue", "green", "sky", "sea", "stone", "river", "light", "night", "day"]
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "ran",
+    "over",
+    "under",
+    "blue",
+    "green",
+    "sky",
+    "sea",
+    "stone",
+    "river",
+    "light",
+    "night",
+    "day",
+]
 
 
 @pytest.fixture(scope="module")
 def soak_server() -> Iterator[ServerProcess]:
-    server = ServerProcess("--num-kv-blocks", "24", "--block-size", "4", "--max-model-len", "128",
-                           "--max-num-seqs", "8", "--max-num-batched-tokens", "64")
+    server = ServerProcess(
+        "--num-kv-blocks",
+        "24",
+        "--block-size",
+        "4",
+        "--max-model-len",
+        "128",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "64",
+    )
     yield server
     server.stop()
 
 
 def _body(rng: random.Random, stream: bool) -> tuple[str, dict[str, Any]]:
     prompt = " ".join(rng.choices(WORDS, k=rng.randint(1, 30)))
-    common = {"max_tokens": rng.randint(1, 16), "stream": stream,
-              "temperature": rng.choice([0.0, 0.8]), "seed": rng.randint(0, 1000)}
+    common = {
+        "max_tokens": rng.randint(1, 16),
+        "stream": stream,
+        "temperature": rng.choice([0.0, 0.8]),
+        "seed": rng.randint(0, 1000),
+    }
     if rng.random() < 0.5:
         return "/v1/completions", {"prompt": prompt, **common}
     return "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], **common}
@@ -56,13 +87,18 @@ def _check_stream(lines: list[str]) -> None:
     events, done = parse_sse(lines)
     assert done, lines[-3:]
     assert not [event for event in events if "error" in event], lines[-3:]
-    reasons = [choice["finish_reason"] for event in events for choice in event["choices"]
-               if choice.get("finish_reason")]
+    reasons = [
+        choice["finish_reason"]
+        for event in events
+        for choice in event["choices"]
+        if choice.get("finish_reason")
+    ]
     assert reasons and set(reasons) <= {"stop", "length"}, events[-2:]
 
 
-async def _client(client: httpx.AsyncClient, rng: random.Random, deadline: float,
-                  counts: Counter[str]) -> None:
+async def _client(
+    client: httpx.AsyncClient, rng: random.Random, deadline: float, counts: Counter[str]
+) -> None:
     while time.monotonic() < deadline:
         action = rng.choices(["complete", "disconnect", "abort"], weights=[70, 15, 15])[0]
         stream = action == "disconnect" or rng.random() < 0.5
@@ -94,8 +130,9 @@ async def _client(client: httpx.AsyncClient, rng: random.Random, deadline: float
             counts["aborts"] += 1
 
 
-async def _poll_health(url: str, deadline: float, latencies: list[float], pid: int,
-                       rss_samples: list[int]) -> None:
+async def _poll_health(
+    url: str, deadline: float, latencies: list[float], pid: int, rss_samples: list[int]
+) -> None:
     async with httpx.AsyncClient(timeout=10) as client:
         while time.monotonic() < deadline:
             started = time.monotonic()
@@ -117,12 +154,19 @@ async def _soak(server: ServerProcess) -> dict[str, Any]:
             await client.post("/v1/completions", json={"prompt": "warm up", "max_tokens": 4})
         baseline_kib = rss_kib(server.pid)
         deadline = time.monotonic() + SOAK_SECONDS
-        clients = [_client(client, random.Random(rng.random()), deadline, counts)
-                   for _ in range(NUM_CLIENTS)]
-        await asyncio.gather(_poll_health(server.url, deadline, latencies, server.pid,
-                                          rss_samples), *clients)
-    return {"counts": counts, "latencies": latencies, "baseline_kib": baseline_kib,
-            "rss_samples": rss_samples}
+        clients = [
+            _client(client, random.Random(rng.random()), deadline, counts)
+            for _ in range(NUM_CLIENTS)
+        ]
+        await asyncio.gather(
+            _poll_health(server.url, deadline, latencies, server.pid, rss_samples), *clients
+        )
+    return {
+        "counts": counts,
+        "latencies": latencies,
+        "baseline_kib": baseline_kib,
+        "rss_samples": rss_samples,
+    }
 
 
 def test_soak_leaks_no_blocks_keeps_health_fast_and_memory_bounded(soak_server):
@@ -135,13 +179,15 @@ def test_soak_leaks_no_blocks_keeps_health_fast_and_memory_bounded(soak_server):
     counts = result["counts"]
     peak_growth_mib = (max([*result["rss_samples"], final_kib]) - result["baseline_kib"]) / 1024
     max_health_s = max(result["latencies"])
-    print(f"\nFIGURE soak: {time.monotonic() - started:.0f} s, {NUM_CLIENTS} clients, "
-          f"{counts['requests']} requests ({counts['completed']} completed), "
-          f"{counts['disconnects']} disconnects + {counts['aborts']} aborts injected, "
-          f"leaked blocks {leaked_blocks}, peak RSS growth {peak_growth_mib:.1f} MiB "
-          f"(baseline {result['baseline_kib'] / 1024:.0f} MiB), "
-          f"max /health latency {max_health_s * 1000:.0f} ms over {len(result['latencies'])} "
-          f"polls, aborted_total {samples['pagedserve:request_aborted_total']:.0f}")
+    print(
+        f"\nFIGURE soak: {time.monotonic() - started:.0f} s, {NUM_CLIENTS} clients, "
+        f"{counts['requests']} requests ({counts['completed']} completed), "
+        f"{counts['disconnects']} disconnects + {counts['aborts']} aborts injected, "
+        f"leaked blocks {leaked_blocks}, peak RSS growth {peak_growth_mib:.1f} MiB "
+        f"(baseline {result['baseline_kib'] / 1024:.0f} MiB), "
+        f"max /health latency {max_health_s * 1000:.0f} ms over {len(result['latencies'])} "
+        f"polls, aborted_total {samples['pagedserve:request_aborted_total']:.0f}"
+    )
     assert leaked_blocks == 0
     assert samples["pagedserve:num_requests_running"] == 0
     assert counts["completed"] > 0 and counts["disconnects"] + counts["aborts"] > 0

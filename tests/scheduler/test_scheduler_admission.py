@@ -7,7 +7,7 @@ and the bookkeeping after every step (budgets, slots, exclusive writes, K/V read
 
 import pytest
 
-from scheduler import AdmissionError, RequestStatus
+from pagedserve.scheduler import AdmissionError, RequestStatus
 from tests.conftest import (
     FakeModelRunner,
     RunLog,
@@ -66,7 +66,10 @@ def test_max_tokens_past_max_model_len_is_admitted_and_stops_at_the_context_limi
     scheduler.add_request(request)
     run_to_completion(scheduler)
     assert request.status == RequestStatus.FINISHED_LENGTH
-    assert request.num_tokens == 16 and request.output_token_ids == expected_output_token_ids(request)[:6]
+    assert (
+        request.num_tokens == 16
+        and request.output_token_ids == expected_output_token_ids(request)[:6]
+    )
 
 
 # ---- growth, budgets, failed allocations -------------------------------------------------------
@@ -141,7 +144,10 @@ def test_failed_admission_changes_no_table_count_or_reference():
     assert [s.request_id for s in plan.requests] == ["holder"] and not plan.preempted_request_ids
     assert late.num_computed_tokens == 0 and "late" not in scheduler.block_manager.tables
     assert list(scheduler.waiting) == [late] and late.status == RequestStatus.WAITING
-    assert scheduler.block_manager.num_free_blocks == free_before and ref_counts(scheduler) == refs_before
+    assert (
+        scheduler.block_manager.num_free_blocks == free_before
+        and ref_counts(scheduler) == refs_before
+    )
     log = run_to_completion(scheduler, runner)
     assert log.finished["late"].output_token_ids == expected_output_token_ids(late)
 
@@ -162,7 +168,9 @@ def test_long_prompt_is_prefilled_in_chunks_while_other_requests_keep_decoding()
     while long_prompt.num_computed_tokens < long_prompt.num_prompt_tokens:
         plan = step(scheduler, runner, log)
         by_id = {s.request_id: s for s in plan.requests}
-        assert [(by_id[d].num_new_tokens, by_id[d].needs_sample) for d in ("d1", "d2")] == [(1, True)] * 2
+        assert [(by_id[d].num_new_tokens, by_id[d].needs_sample) for d in ("d1", "d2")] == [
+            (1, True)
+        ] * 2
         chunks.append(by_id["long"])
     assert len(chunks) == 12  # 70 prompt tokens, 6 per step beside the two decodes
     assert [c.start_position for c in chunks] == list(range(0, 70, 6))
@@ -177,10 +185,17 @@ def test_a_prompt_sorted_ahead_of_running_decodes_leaves_each_of_them_a_token():
     # `running` (so would a recomputing preempted request under FCFS), and its chunks must not
     # take the whole budget.
     budget = 16
-    scheduler = make_scheduler(num_blocks=64, block_size=4, scheduling_policy="priority",
-                               max_num_batched_tokens=budget, max_model_len=256)
+    scheduler = make_scheduler(
+        num_blocks=64,
+        block_size=4,
+        scheduling_policy="priority",
+        max_num_batched_tokens=budget,
+        max_model_len=256,
+    )
     runner = FakeModelRunner(scheduler)
-    decodes = [make_request(f"d{i}", 4, max_tokens=40, priority=5, ignore_eos=True) for i in range(4)]
+    decodes = [
+        make_request(f"d{i}", 4, max_tokens=40, priority=5, ignore_eos=True) for i in range(4)
+    ]
     for request in decodes:
         scheduler.add_request(request)
     for _ in range(2):
@@ -215,7 +230,10 @@ def test_scheduler_preempts_the_latest_arrived_request_when_out_of_blocks():
     assert scheduler.num_preemptions == 1 and second.num_preemptions == 1
     assert plan.requests[0].block_ids[2] in victim_blocks
     log = run_to_completion(scheduler, runner)
-    assert all(log.finished[r.request_id].output_token_ids == expected_output_token_ids(r) for r in (first, second))
+    assert all(
+        log.finished[r.request_id].output_token_ids == expected_output_token_ids(r)
+        for r in (first, second)
+    )
 
 
 def test_under_fcfs_a_preempted_request_waits_ahead_of_later_arrivals():
@@ -245,7 +263,9 @@ def test_priority_policy_preempts_the_lowest_priority_even_when_it_arrived_first
     scheduler.add_request(make_request("high", 8, max_tokens=8, priority=0))
     assert [s.request_id for s in step(scheduler, runner).requests] == ["high", "low"]
     plan = step(scheduler, runner)
-    assert plan.preempted_request_ids == ["low"] and [s.request_id for s in plan.requests] == ["high"]
+    assert plan.preempted_request_ids == ["low"] and [s.request_id for s in plan.requests] == [
+        "high"
+    ]
     assert scheduler.waiting[0].request_id == "low"
     run_to_completion(scheduler, runner)
 

@@ -8,7 +8,7 @@ and the bookkeeping after every step (budgets, slots, exclusive writes, K/V read
 
 import pytest
 
-from scheduler import ModelRunnerOutput, RequestStatus
+from pagedserve.scheduler import ModelRunnerOutput, RequestStatus
 from tests.conftest import (
     EOS_TOKEN_ID,
     FakeModelRunner,
@@ -36,7 +36,9 @@ def start_one(max_tokens=10, **sampling):
 def test_eos_finishes_the_request_and_frees_its_blocks_at_once():
     scheduler, runner, request = start_one()
     step(scheduler, runner, forced={"a": EOS_TOKEN_ID})
-    assert request.status == RequestStatus.FINISHED_STOPPED and request.status.finish_reason == "stop"
+    assert (
+        request.status == RequestStatus.FINISHED_STOPPED and request.status.finish_reason == "stop"
+    )
     assert request.output_token_ids[-1] == EOS_TOKEN_ID and not scheduler.has_unfinished_requests()
     check_all_free(scheduler)
 
@@ -61,8 +63,12 @@ def test_max_tokens_finishes_the_request_with_length():
     request = make_request("a", 5, max_tokens=3)
     scheduler.add_request(request)
     log = run_to_completion(scheduler)
-    assert request.status == RequestStatus.FINISHED_LENGTH and request.status.finish_reason == "length"
-    assert log.finish_step["a"] == 3 and request.output_token_ids == expected_output_token_ids(request)
+    assert (
+        request.status == RequestStatus.FINISHED_LENGTH and request.status.finish_reason == "length"
+    )
+    assert log.finish_step["a"] == 3 and request.output_token_ids == expected_output_token_ids(
+        request
+    )
 
 
 def test_min_tokens_delays_eos_and_stop_token_ids():
@@ -81,7 +87,9 @@ def test_abort_of_a_waiting_request_removes_it_from_every_queue():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", 5))
     aborted = scheduler.abort_request("a")
-    assert aborted.status == RequestStatus.FINISHED_ABORTED and aborted.status.finish_reason == "abort"
+    assert (
+        aborted.status == RequestStatus.FINISHED_ABORTED and aborted.status.finish_reason == "abort"
+    )
     assert not scheduler.has_unfinished_requests() and scheduler.num_waiting == 0
     assert scheduler.abort_request("a") is None and scheduler.abort_request("unknown") is None
     check_all_free(scheduler)
@@ -98,7 +106,9 @@ def test_abort_of_a_running_request_frees_all_its_blocks_at_once(num_steps):
     assert scheduler.block_manager.block_ids("a")
     scheduler.abort_request("a")
     check_state(scheduler)
-    assert scheduler.block_manager.num_free_blocks == 16 - len(scheduler.block_manager.block_ids("b"))
+    assert scheduler.block_manager.num_free_blocks == 16 - len(
+        scheduler.block_manager.block_ids("b")
+    )
     scheduler.abort_request("b")
     check_all_free(scheduler)
 
@@ -124,7 +134,9 @@ def test_abort_of_a_fork_waiting_child_removes_it():
     scheduler = make_scheduler()
     parent = make_request("p", 6)
     scheduler.add_request(parent)
-    scheduler.add_request(make_request("c", prompt_token_ids=parent.prompt_token_ids, parent_request_id="p"))
+    scheduler.add_request(
+        make_request("c", prompt_token_ids=parent.prompt_token_ids, parent_request_id="p")
+    )
     assert scheduler.num_waiting == 2
     scheduler.abort_request("c")
     assert not scheduler.fork_waiting and scheduler.num_waiting == 1

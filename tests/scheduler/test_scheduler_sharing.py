@@ -8,7 +8,7 @@ and the bookkeeping after every step (budgets, slots, exclusive writes, K/V read
 
 import pytest
 
-from scheduler import RequestStatus
+from pagedserve.scheduler import RequestStatus
 from tests.conftest import (
     FakeModelRunner,
     RunLog,
@@ -26,15 +26,21 @@ from tests.scheduler.support import ref_counts
 def add_parent_and_child(scheduler, num_prompt_tokens, max_tokens=6):
     parent = make_request("p", num_prompt_tokens, max_tokens=max_tokens, ignore_eos=True)
     child = make_request(
-        "p#1", prompt_token_ids=parent.prompt_token_ids, parent_request_id="p",
-        max_tokens=max_tokens, ignore_eos=True, seed=1,
+        "p#1",
+        prompt_token_ids=parent.prompt_token_ids,
+        parent_request_id="p",
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        seed=1,
     )
     scheduler.add_request(parent)
     scheduler.add_request(child)
     return parent, child
 
 
-@pytest.mark.parametrize("num_prompt_tokens", [10, 8], ids=["partial_last_block", "full_last_block"])
+@pytest.mark.parametrize(
+    "num_prompt_tokens", [10, 8], ids=["partial_last_block", "full_last_block"]
+)
 def test_fork_child_waits_for_the_parent_prompt_then_shares_its_blocks_with_copy_on_write(
     num_prompt_tokens,
 ):
@@ -78,16 +84,24 @@ def test_fork_child_whose_parent_is_aborted_first_completes_on_its_own(num_steps
 
 
 def test_an_orphaned_child_waits_in_priority_order_behind_a_more_important_request():
-    scheduler = make_scheduler(num_blocks=8, block_size=4, scheduling_policy="priority",
-                               max_num_batched_tokens=64)
+    scheduler = make_scheduler(
+        num_blocks=8, block_size=4, scheduling_policy="priority", max_num_batched_tokens=64
+    )
     runner = FakeModelRunner(scheduler)
     scheduler.add_request(make_request("blocker", 16, max_tokens=4, ignore_eos=True))
     step(scheduler, runner)
     low = make_request("low", 12, max_tokens=1, priority=9, ignore_eos=True)
     scheduler.add_request(low)
-    scheduler.add_request(make_request("low#1", prompt_token_ids=low.prompt_token_ids,
-                                       parent_request_id="low", max_tokens=1, priority=9,
-                                       ignore_eos=True))
+    scheduler.add_request(
+        make_request(
+            "low#1",
+            prompt_token_ids=low.prompt_token_ids,
+            parent_request_id="low",
+            max_tokens=1,
+            priority=9,
+            ignore_eos=True,
+        )
+    )
     step(scheduler, runner)  # "low" prefills and finishes (max_tokens=1): its child is orphaned
     assert low.status == RequestStatus.FINISHED_LENGTH
     scheduler.add_request(make_request("high", 12, max_tokens=2, priority=0, ignore_eos=True))
@@ -108,8 +122,12 @@ def test_child_forked_after_the_parent_decoded_past_a_block_never_poisons_the_pr
     scheduler.add_request(parent)
     scheduler.add_request(make_request("x", 4, max_tokens=6, ignore_eos=True))
     child = make_request(
-        "p#1", prompt_token_ids=parent.prompt_token_ids, parent_request_id="p",
-        max_tokens=20, ignore_eos=True, seed=1,
+        "p#1",
+        prompt_token_ids=parent.prompt_token_ids,
+        parent_request_id="p",
+        max_tokens=20,
+        ignore_eos=True,
+        seed=1,
     )
     scheduler.add_request(child)
     while child.num_computed_tokens < 16:
@@ -147,7 +165,9 @@ def test_second_request_with_the_same_prompt_reuses_the_cached_prefix():
     first = make_request("a", 17, max_tokens=4, ignore_eos=True)
     scheduler.add_request(first)
     step(scheduler, runner)
-    second = make_request("b", prompt_token_ids=first.prompt_token_ids, max_tokens=4, ignore_eos=True)
+    second = make_request(
+        "b", prompt_token_ids=first.prompt_token_ids, max_tokens=4, ignore_eos=True
+    )
     scheduler.add_request(second)
     plan = step(scheduler, runner)
     (scheduled,) = [s for s in plan.requests if s.request_id == "b"]
@@ -187,11 +207,15 @@ def test_cached_prefix_outlives_the_request_that_computed_it():
 
 @pytest.mark.parametrize("enable_prefix_caching, salt", [(True, "other"), (False, None)])
 def test_no_prefix_hit_across_cache_salts_or_with_caching_disabled(enable_prefix_caching, salt):
-    scheduler = make_scheduler(num_blocks=32, block_size=4, enable_prefix_caching=enable_prefix_caching)
+    scheduler = make_scheduler(
+        num_blocks=32, block_size=4, enable_prefix_caching=enable_prefix_caching
+    )
     first = make_request("a", 17, max_tokens=1)
     scheduler.add_request(first)
     run_to_completion(scheduler)
-    second = make_request("b", prompt_token_ids=first.prompt_token_ids, max_tokens=1, cache_salt=salt)
+    second = make_request(
+        "b", prompt_token_ids=first.prompt_token_ids, max_tokens=1, cache_salt=salt
+    )
     scheduler.add_request(second)
     log = run_to_completion(scheduler)
     assert second.num_cached_tokens == 0 and log.plans[0].num_batched_tokens == 17

@@ -12,10 +12,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from configs import EngineConfig, SamplingParams, load_engine_config
-from engine.errors import EngineOverloadedError, InvalidRequestError
-from engine.outputs import EngineStats, RequestDelta, RequestTimings, TokenLogprob
-from server.app import create_app
+from pagedserve.configs import EngineConfig, SamplingParams, load_engine_config
+from pagedserve.engine.errors import EngineOverloadedError, InvalidRequestError
+from pagedserve.engine.outputs import EngineStats, RequestDelta, RequestTimings, TokenLogprob
+from pagedserve.server.app import create_app
 
 EOS_TOKEN_ID = 257
 
@@ -29,8 +29,9 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return bytes(token_id for token_id in token_ids if token_id < 256).decode(errors="replace")
 
-    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool,
-                            tokenize: bool) -> str:
+    def apply_chat_template(
+        self, conversation: list[dict[str, str]], add_generation_prompt: bool, tokenize: bool
+    ) -> str:
         text = "".join(f"<{message['role']}>{message['content']}\n" for message in conversation)
         return text + ("<assistant>" if add_generation_prompt else "")
 
@@ -69,10 +70,17 @@ class FakeEngine:
         self.aborted.append(request_id)
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_requests_running=1, num_requests_waiting=2, num_free_blocks=7,
-                           num_total_blocks=8, block_size=4, cache_dtype="fp8_e4m3",
-                           kv_cache_usage=0.125,
-                           num_prompt_tokens=11, num_generation_tokens=5)
+        return EngineStats(
+            num_requests_running=1,
+            num_requests_waiting=2,
+            num_free_blocks=7,
+            num_total_blocks=8,
+            block_size=4,
+            cache_dtype="fp8_e4m3",
+            kv_cache_usage=0.125,
+            num_prompt_tokens=11,
+            num_generation_tokens=5,
+        )
 
     def drain_step_token_counts(self) -> list[int]:
         return [3, 1]
@@ -82,8 +90,13 @@ class FakeEngine:
         letters = "abcdefgh"[choice:]
         return ord(letters[step]) if step < len(letters) and not params.ignore_eos else EOS_TOKEN_ID
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestDelta]:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestDelta]:
         if self.raise_on_generate is not None:
             raise self.raise_on_generate
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
@@ -103,17 +116,40 @@ class FakeEngine:
                         continue
                     token_id = self._token(choice, step, params)
                     is_last_step = step + 1 == params.max_tokens
-                    reason = "stop" if token_id == EOS_TOKEN_ID else "length" if is_last_step else None
+                    reason = (
+                        "stop" if token_id == EOS_TOKEN_ID else "length" if is_last_step else None
+                    )
                     if reason:
                         finished.add(choice)
                     all_done = len(finished) == params.n
-                    timings = RequestTimings(arrival, arrival, arrival, time.monotonic()) if all_done else None
-                    logprobs = None if params.logprobs is None else (
-                        TokenLogprob(token_id, -0.5, ((token_id, -0.5), (ord("z"), -1.5))[:params.logprobs]),)
-                    yield RequestDelta(request_id, choice, (token_id,),
-                                       self.tokenizer.decode([token_id]), logprobs,
-                                       len(prompt_token_ids), step + 1, reason is not None, reason,
-                                       timings=timings)
+                    timings = (
+                        RequestTimings(arrival, arrival, arrival, time.monotonic())
+                        if all_done
+                        else None
+                    )
+                    logprobs = (
+                        None
+                        if params.logprobs is None
+                        else (
+                            TokenLogprob(
+                                token_id,
+                                -0.5,
+                                ((token_id, -0.5), (ord("z"), -1.5))[: params.logprobs],
+                            ),
+                        )
+                    )
+                    yield RequestDelta(
+                        request_id,
+                        choice,
+                        (token_id,),
+                        self.tokenizer.decode([token_id]),
+                        logprobs,
+                        len(prompt_token_ids),
+                        step + 1,
+                        reason is not None,
+                        reason,
+                        timings=timings,
+                    )
                     if self.fail_after_first_delta is not None:
                         raise self.fail_after_first_delta
                     if self.hang_after_first_delta:
@@ -149,6 +185,7 @@ def client(app: FastAPI) -> Iterator[TestClient]:
 def client_with(engine: FakeEngine) -> Iterator[Callable[..., TestClient]]:
     """`client_with(api_key="k")`: a started client for an app with these settings."""
     with ExitStack() as stack:
+
         def make(**settings: Any) -> TestClient:
             app = create_app(make_config(**settings), engine)
             return stack.enter_context(TestClient(app, raise_server_exceptions=False))
@@ -159,5 +196,3 @@ def client_with(engine: FakeEngine) -> Iterator[Callable[..., TestClient]]:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-

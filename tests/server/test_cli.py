@@ -4,15 +4,33 @@ from __future__ import annotations
 
 import pytest
 
-from configs.engine import SECTIONS
-from server.cli import build_parser, config_from_args, main
+from pagedserve.configs.engine import SECTIONS
+from pagedserve.server.cli import build_parser, config_from_args, main
 
-BRIEF_FLAGS = ["--model", "--host", "--port", "--served-model-name", "--api-key", "--block-size",
-               "--num-kv-blocks", "--kv-cache-memory", "--gpu-memory-utilization",
-               "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
-               "--enable-prefix-caching", "--no-enable-prefix-caching", "--preemption-mode",
-               "--dtype", "--device", "--attention-backend", "--seed",
-               "--max-request-body-bytes", "--log-level", "--config"]
+BRIEF_FLAGS = [
+    "--model",
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--api-key",
+    "--block-size",
+    "--num-kv-blocks",
+    "--kv-cache-memory",
+    "--gpu-memory-utilization",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--preemption-mode",
+    "--dtype",
+    "--device",
+    "--attention-backend",
+    "--seed",
+    "--max-request-body-bytes",
+    "--log-level",
+    "--config",
+]
 
 
 def _serve_help(capsys) -> str:
@@ -40,15 +58,17 @@ def test_serve_help_shows_defaults_and_descriptions(capsys):
 
 def test_cli_flag_beats_environment():
     args = build_parser().parse_args(["serve", "--port", "9000"])
-    config = config_from_args(args, environ={"PAGEDSERVE_PORT": "8001",
-                                             "PAGEDSERVE_BLOCK_SIZE": "32"})
+    config = config_from_args(
+        args, environ={"PAGEDSERVE_PORT": "8001", "PAGEDSERVE_BLOCK_SIZE": "32"}
+    )
     assert config.server.port == 9000
     assert config.cache.block_size == 32  # not given on the command line: the env var holds
 
 
 def test_only_given_flags_reach_the_loader():
-    args = build_parser().parse_args(["serve", "--no-enable-prefix-caching",
-                                      "--preemption-mode", "recompute"])
+    args = build_parser().parse_args(
+        ["serve", "--no-enable-prefix-caching", "--preemption-mode", "recompute"]
+    )
     config = config_from_args(args, environ={})
     assert config.cache.enable_prefix_caching is False
     assert config.scheduler.preemption_mode == "recompute"
@@ -73,7 +93,9 @@ def test_a_yaml_syntax_error_is_a_usage_error_naming_the_line(capsys, tmp_path):
 
 
 def test_generate_checks_its_sampling_arguments_before_loading_the_model(capsys, monkeypatch):
-    monkeypatch.setattr("server.cli._generate", lambda *args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(
+        "pagedserve.server.cli._generate", lambda *args: pytest.fail("the model was loaded")
+    )
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "hi", "--max-tokens", "0"])
     assert exit_info.value.code == 2

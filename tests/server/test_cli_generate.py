@@ -17,9 +17,23 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_generate_prints_text(extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "server", "generate", "Hello", "--max-tokens", "8",
-         "--temperature", "0", *extra],
-        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "generate",
+            "Hello",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip(), "generate printed no text"

@@ -11,11 +11,20 @@ pytestmark = pytest.mark.anyio
 
 
 def _scope(path: str) -> dict:
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
-            "raw_path": path.encode(), "query_string": b"", "root_path": "",
-            "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-            "client": ("127.0.0.1", 1234), "server": ("test", 80)}
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("127.0.0.1", 1234),
+        "server": ("test", 80),
+    }
 
 
 async def _call_then_disconnect(app, path: str, body: dict, disconnect: asyncio.Event) -> list:
@@ -41,8 +50,12 @@ async def _call_then_disconnect(app, path: str, body: dict, disconnect: asyncio.
 
 async def test_disconnect_mid_stream_aborts_the_request(app, engine):
     engine.hang_after_first_delta = True
-    sent = await _call_then_disconnect(app, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "hi"}], "stream": True}, asyncio.Event())
+    sent = await _call_then_disconnect(
+        app,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "stream": True},
+        asyncio.Event(),
+    )
     request_id = engine.requests[0][0]
     assert engine.aborted == [request_id] and engine.closed_early == [request_id]
     assert sent[0]["status"] == 200
@@ -62,10 +75,13 @@ async def test_disconnect_counts_as_an_abort_in_metrics(app, engine):
     from prometheus_client.parser import text_string_to_metric_families
 
     engine.hang_after_first_delta = True
-    await _call_then_disconnect(app, "/v1/completions",
-                                {"prompt": "hi", "n": 2, "stream": True}, asyncio.Event())
-    samples = {(sample.name, sample.labels.get("finished_reason")): sample.value
-               for family in text_string_to_metric_families(app.state.metrics.render().decode())
-               for sample in family.samples}
+    await _call_then_disconnect(
+        app, "/v1/completions", {"prompt": "hi", "n": 2, "stream": True}, asyncio.Event()
+    )
+    samples = {
+        (sample.name, sample.labels.get("finished_reason")): sample.value
+        for family in text_string_to_metric_families(app.state.metrics.render().decode())
+        for sample in family.samples
+    }
     assert samples[("pagedserve:request_success_total", "abort")] == 2
     assert samples[("pagedserve:request_aborted_total", None)] == 2

@@ -1,4 +1,4 @@
-"""End to end under load: `python -m server serve` with the real default model on 127.0.0.1.
+"""End to end under load: `python -m pagedserve.server serve` with the real default model on 127.0.0.1.
 
 /metrics exposes every metric and its counters move; a streaming client that disconnects frees its
 KV blocks (and counts as aborted); 64 concurrent streams all end with `[DONE]` and a finish reason
@@ -19,7 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from configs.engine import DEFAULT_MODEL
+from pagedserve.configs.engine import DEFAULT_MODEL
 from tests.server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -32,21 +32,42 @@ MAX_HEALTH_LATENCY_S = 1.0
 PREFIX = "pagedserve:"
 # Every metric, by sample name (counters with `_total`, histograms by their family name).
 METRIC_NAMES = (
-    "num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
-    "num_free_blocks", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
-    "request_success_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
-    "request_aborted_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
-    "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
-    "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-    "request_prompt_tokens", "request_generation_tokens", "iteration_tokens_total",
+    "num_requests_running",
+    "num_requests_waiting",
+    "num_requests_swapped",
+    "kv_cache_usage_perc",
+    "num_free_blocks",
+    "num_preemptions_total",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "request_success_total",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "request_aborted_total",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "request_time_per_output_token_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "iteration_tokens_total",
     "cache_config_info",
 )
 
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    server = ServerProcess("--max-model-len", "1024", "--num-kv-blocks", str(NUM_KV_BLOCKS),
-                           "--block-size", str(BLOCK_SIZE))
+    server = ServerProcess(
+        "--max-model-len",
+        "1024",
+        "--num-kv-blocks",
+        str(NUM_KV_BLOCKS),
+        "--block-size",
+        str(BLOCK_SIZE),
+    )
     yield server.url
     server.stop()
 
@@ -58,8 +79,11 @@ def _scrape(url: str) -> dict[str, float]:
     samples = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
-            labels = ",".join(f"{key}={value}" for key, value in sorted(sample.labels.items())
-                              if key != "model_name")
+            labels = ",".join(
+                f"{key}={value}"
+                for key, value in sorted(sample.labels.items())
+                if key != "model_name"
+            )
             name = sample.name.removeprefix(PREFIX)
             samples[f"{name}{{{labels}}}" if labels else name] = sample.value
     return samples
@@ -77,8 +101,11 @@ def _wait_for(url: str, condition: Any, timeout_s: float) -> dict[str, float]:
 
 
 def _is_idle(samples: dict[str, float]) -> bool:
-    return (samples["num_requests_running"] == 0 and samples["num_requests_waiting"] == 0
-            and samples["num_free_blocks"] == NUM_KV_BLOCKS)
+    return (
+        samples["num_requests_running"] == 0
+        and samples["num_requests_waiting"] == 0
+        and samples["num_free_blocks"] == NUM_KV_BLOCKS
+    )
 
 
 def test_metrics_parse_and_expose_every_metric_with_the_cache_config(url):
@@ -86,23 +113,39 @@ def test_metrics_parse_and_expose_every_metric_with_the_cache_config(url):
     assert response.headers["content-type"].startswith("text/plain")
     families = list(text_string_to_metric_families(response.text))
     names = {family.name.removeprefix(PREFIX) for family in families} | {
-        sample.name.removeprefix(PREFIX) for family in families for sample in family.samples}
+        sample.name.removeprefix(PREFIX) for family in families for sample in family.samples
+    }
     assert [name for name in METRIC_NAMES if name not in names] == []
-    (info,) = [sample for family in families for sample in family.samples
-               if sample.name == PREFIX + "cache_config_info"]
+    (info,) = [
+        sample
+        for family in families
+        for sample in family.samples
+        if sample.name == PREFIX + "cache_config_info"
+    ]
     assert info.value == 1
     assert info.labels["block_size"] == str(BLOCK_SIZE)
     assert info.labels["num_blocks"] == str(NUM_KV_BLOCKS)
     assert info.labels["cache_dtype"] == "float32"  # auto: the weights' dtype
-    assert all(sample.labels.get("model_name") for family in families
-               for sample in family.samples if family.name.startswith(PREFIX))
+    assert all(
+        sample.labels.get("model_name")
+        for family in families
+        for sample in family.samples
+        if family.name.startswith(PREFIX)
+    )
 
 
 def test_a_completion_moves_the_token_and_success_counters(url):
     before = _wait_for(url, _is_idle, timeout_s=30)
-    response = httpx.post(f"{url}/v1/completions", timeout=REQUEST_TIMEOUT_S, json={
-        "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
-        "ignore_eos": True})
+    response = httpx.post(
+        f"{url}/v1/completions",
+        timeout=REQUEST_TIMEOUT_S,
+        json={
+            "prompt": "The capital of France is",
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     usage = response.json()["usage"]
     after = _wait_for(url, _is_idle, timeout_s=30)
 
@@ -114,10 +157,16 @@ def test_a_completion_moves_the_token_and_success_counters(url):
     assert delta("prompt_tokens_total") == usage["prompt_tokens"]
     assert delta("request_success_total{finished_reason=length}") == 1
     assert delta("prefix_cache_queries_total") == usage["prompt_tokens"]
-    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                      "request_queue_time_seconds", "request_prefill_time_seconds",
-                      "request_decode_time_seconds", "request_prompt_tokens",
-                      "request_generation_tokens", "request_time_per_output_token_seconds"):
+    for histogram in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_time_per_output_token_seconds",
+    ):
         assert delta(f"{histogram}_count") == 1, histogram
     assert delta("inter_token_latency_seconds_count") == 3
     assert delta("request_generation_tokens_sum") == 4
@@ -127,8 +176,9 @@ def test_a_completion_moves_the_token_and_success_counters(url):
 def test_disconnecting_a_stream_frees_its_blocks_and_counts_an_abort(url):
     before = _wait_for(url, _is_idle, timeout_s=30)
     body = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body,
-                      timeout=REQUEST_TIMEOUT_S) as response:
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S
+    ) as response:
         lines = response.iter_lines()
         events = [line for line in (next(lines) for _ in range(8)) if line.startswith("data: ")]
         assert len(events) >= 3 and "[DONE]" not in events[-1]
@@ -140,8 +190,10 @@ def test_disconnecting_a_stream_frees_its_blocks_and_counts_an_abort(url):
     after = _wait_for(url, _is_idle, timeout_s=10)
     assert time.monotonic() - disconnected_at < 10
     assert after["request_aborted_total"] - before["request_aborted_total"] == 1
-    assert (after["request_success_total{finished_reason=abort}"]
-            - before["request_success_total{finished_reason=abort}"]) == 1
+    assert (
+        after["request_success_total{finished_reason=abort}"]
+        - before["request_success_total{finished_reason=abort}"]
+    ) == 1
     assert after["kv_cache_usage_perc"] == 0
 
 
@@ -155,16 +207,21 @@ def _check_raw_sse(text: str) -> str:
     for event in events[:-1]:
         payload = json.loads(event.removeprefix("data: "))
         assert "error" not in payload, payload
-        finish_reasons += [choice["finish_reason"] for choice in payload["choices"]
-                           if choice["finish_reason"] is not None]
+        finish_reasons += [
+            choice["finish_reason"]
+            for choice in payload["choices"]
+            if choice["finish_reason"] is not None
+        ]
     assert len(finish_reasons) == 1, finish_reasons
     return finish_reasons[0]
 
 
 async def _raw_stream(http: httpx.AsyncClient, url: str, index: int) -> str:
     if index % 4 == 0:
-        path, body = "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": f"Tell me about the number {index}."}]}
+        path, body = (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": f"Tell me about the number {index}."}]},
+        )
     else:
         path, body = "/v1/completions", {"prompt": f"Request {index}: once upon a time"}
     body |= {"max_tokens": 16 + index % 9, "temperature": 0.8, "seed": index, "stream": True}
@@ -176,10 +233,19 @@ async def _raw_stream(http: httpx.AsyncClient, url: str, index: int) -> str:
 
 async def _openai_stream(client: openai.AsyncOpenAI, index: int) -> str:
     stream = await client.completions.create(
-        model=DEFAULT_MODEL, prompt=f"Story {index}:", max_tokens=16 + index % 9,
-        temperature=0.8, seed=index, stream=True)
-    finish_reasons = [choice.finish_reason async for chunk in stream for choice in chunk.choices
-                      if choice.finish_reason is not None]
+        model=DEFAULT_MODEL,
+        prompt=f"Story {index}:",
+        max_tokens=16 + index % 9,
+        temperature=0.8,
+        seed=index,
+        stream=True,
+    )
+    finish_reasons = [
+        choice.finish_reason
+        async for chunk in stream
+        for choice in chunk.choices
+        if choice.finish_reason is not None
+    ]
     assert len(finish_reasons) == 1, finish_reasons
     return finish_reasons[0]
 
@@ -188,13 +254,20 @@ async def _run_streams_and_poll_health(url: str) -> tuple[list[Any], list[float]
     limits = httpx.Limits(max_connections=NUM_CONCURRENT_STREAMS)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
     health_latencies: list[float] = []
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as http, \
-            openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                               timeout=REQUEST_TIMEOUT_S) as client, \
-            httpx.AsyncClient(timeout=timeout) as prober:
-        streams = asyncio.gather(*[
-            _raw_stream(http, url, index) if index % 2 == 0 else _openai_stream(client, index)
-            for index in range(NUM_CONCURRENT_STREAMS)], return_exceptions=True)
+    async with (
+        httpx.AsyncClient(limits=limits, timeout=timeout) as http,
+        openai.AsyncOpenAI(
+            base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S
+        ) as client,
+        httpx.AsyncClient(timeout=timeout) as prober,
+    ):
+        streams = asyncio.gather(
+            *[
+                _raw_stream(http, url, index) if index % 2 == 0 else _openai_stream(client, index)
+                for index in range(NUM_CONCURRENT_STREAMS)
+            ],
+            return_exceptions=True,
+        )
         while not streams.done():
             started = time.monotonic()
             response = await prober.get(f"{url}/health")
@@ -208,16 +281,20 @@ def test_64_concurrent_streams_end_with_done_while_health_stays_fast(url):
     before = _wait_for(url, _is_idle, timeout_s=30)
     started = time.monotonic()
     results, health_latencies = asyncio.run(_run_streams_and_poll_health(url))
-    print(f"{NUM_CONCURRENT_STREAMS} streams in {time.monotonic() - started:.1f}s; /health: "
-          f"{len(health_latencies)} polls, max {max(health_latencies, default=0):.3f}s")
+    print(
+        f"{NUM_CONCURRENT_STREAMS} streams in {time.monotonic() - started:.1f}s; /health: "
+        f"{len(health_latencies)} polls, max {max(health_latencies, default=0):.3f}s"
+    )
     errors = [result for result in results if isinstance(result, BaseException)]
     assert errors == [], errors[:3]
     assert set(results) <= {"stop", "length"}, results
     assert len(health_latencies) >= 5
     assert max(health_latencies) < MAX_HEALTH_LATENCY_S, sorted(health_latencies)[-5:]
     after = _wait_for(url, _is_idle, timeout_s=30)  # every block back: nothing leaked
-    finished = sum(after[f"request_success_total{{finished_reason={reason}}}"]
-                   - before[f"request_success_total{{finished_reason={reason}}}"]
-                   for reason in ("stop", "length"))
+    finished = sum(
+        after[f"request_success_total{{finished_reason={reason}}}"]
+        - before[f"request_success_total{{finished_reason={reason}}}"]
+        for reason in ("stop", "length")
+    )
     assert finished == NUM_CONCURRENT_STREAMS
     assert after["request_aborted_total"] == before["request_aborted_total"]

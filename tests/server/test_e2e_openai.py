@@ -1,4 +1,4 @@
-"""End to end: `python -m server serve` with the real default model on 127.0.0.1, driven by the
+"""End to end: `python -m pagedserve.server serve` with the real default model on 127.0.0.1, driven by the
 official `openai` client (and raw httpx where the wire format matters). Greedy results must equal
 the offline `LLM`'s; every bad request gets its documented 4xx and OpenAI error body; SIGTERM (last
 test) must end an open stream with a final event and exit 0.
@@ -33,8 +33,10 @@ NUM_GREEDY_TOKENS = 16
 COMPLETION_PROMPTS = ("The capital of France is", "One, two, three,", "def fibonacci(n):")
 CONVERSATIONS = (
     [{"role": "user", "content": "Name three colors."}],
-    [{"role": "system", "content": "You answer in one word."},
-     {"role": "user", "content": "What is the opposite of hot?"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "What is the opposite of hot?"},
+    ],
 )
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 
@@ -42,8 +44,15 @@ AUTH = {"authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def server_process() -> Iterator[ServerProcess]:
     """Launched, not yet waited for: the offline results are computed while it loads."""
-    process = ServerProcess(*ENGINE_FLAGS, "--api-key", API_KEY, "--timeout-graceful-shutdown", "2",
-                            wait=False, log_level="info")
+    process = ServerProcess(
+        *ENGINE_FLAGS,
+        "--api-key",
+        API_KEY,
+        "--timeout-graceful-shutdown",
+        "2",
+        wait=False,
+        log_level="info",
+    )
     yield process
     process.stop()
 
@@ -53,8 +62,8 @@ def offline(server_process) -> dict[str, Any]:
     """Greedy results of the offline `LLM` (same engine settings) for the prompts and chats."""
     import torch
 
-    from configs import SamplingParams
-    from engine.llm import LLM
+    from pagedserve.configs import SamplingParams
+    from pagedserve.engine.llm import LLM
 
     num_threads = torch.get_num_threads()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -76,8 +85,9 @@ def server(server_process: ServerProcess) -> tuple[str, subprocess.Popen]:
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0,
-                         timeout=REQUEST_TIMEOUT_S)
+    return openai.OpenAI(
+        base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=REQUEST_TIMEOUT_S
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +115,14 @@ def _stop_string_in(text: str) -> str:
 
 def test_greedy_completions_equal_the_offline_llm_text_and_token_counts(client, model, offline):
     def complete(prompt: str, n: int = 1) -> Any:
-        return client.completions.create(model=model, prompt=prompt, n=n, temperature=0,
-                                         max_tokens=NUM_GREEDY_TOKENS)
+        return client.completions.create(
+            model=model, prompt=prompt, n=n, temperature=0, max_tokens=NUM_GREEDY_TOKENS
+        )
 
-    responses = _in_parallel(*[lambda p=prompt: complete(p) for prompt in COMPLETION_PROMPTS],
-                             lambda: complete(COMPLETION_PROMPTS[0], n=2))
+    responses = _in_parallel(
+        *[lambda p=prompt: complete(p) for prompt in COMPLETION_PROMPTS],
+        lambda: complete(COMPLETION_PROMPTS[0], n=2),
+    )
     for response, expected in zip(responses, offline["completions"], strict=False):
         (choice,) = response.choices
         (output,) = expected.outputs
@@ -122,24 +135,35 @@ def test_greedy_completions_equal_the_offline_llm_text_and_token_counts(client, 
     expected_text = offline["completions"][0].outputs[0].text
     assert [choice.text for choice in greedy_twice.choices] == [expected_text] * 2
     assert greedy_twice.usage.completion_tokens == 2 * len(
-        offline["completions"][0].outputs[0].token_ids)
+        offline["completions"][0].outputs[0].token_ids
+    )
 
 
 def test_greedy_chat_equals_the_offline_llm_chat_and_uses_the_same_prompt_tokens(
-        client, model, offline, server):
-    responses = _in_parallel(*[
-        lambda c=conversation: client.chat.completions.create(
-            model=model, messages=c, temperature=0, max_tokens=NUM_GREEDY_TOKENS)
-        for conversation in CONVERSATIONS])
-    for conversation, response, expected in zip(CONVERSATIONS, responses, offline["chats"],
-                                                 strict=True):
+    client, model, offline, server
+):
+    responses = _in_parallel(
+        *[
+            lambda c=conversation: client.chat.completions.create(
+                model=model, messages=c, temperature=0, max_tokens=NUM_GREEDY_TOKENS
+            )
+            for conversation in CONVERSATIONS
+        ]
+    )
+    for conversation, response, expected in zip(
+        CONVERSATIONS, responses, offline["chats"], strict=True
+    ):
         (output,) = expected.outputs
         assert response.choices[0].message.role == "assistant"
         assert response.choices[0].message.content == output.text
         assert response.choices[0].finish_reason == output.finish_reason
         assert response.usage.completion_tokens == len(output.token_ids)
-        tokenized = httpx.post(f"{server[0]}/tokenize", json={"messages": conversation},
-                               headers=AUTH, timeout=REQUEST_TIMEOUT_S).json()
+        tokenized = httpx.post(
+            f"{server[0]}/tokenize",
+            json={"messages": conversation},
+            headers=AUTH,
+            timeout=REQUEST_TIMEOUT_S,
+        ).json()
         assert tokenized["tokens"] == expected.prompt_token_ids
         assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
 
@@ -149,14 +173,28 @@ def test_greedy_chat_equals_the_offline_llm_chat_and_uses_the_same_prompt_tokens
 
 def test_streamed_text_equals_the_offline_text_and_ends_with_a_usage_chunk(client, model, offline):
     def stream_completion() -> list[Any]:
-        return list(client.completions.create(
-            model=model, prompt=COMPLETION_PROMPTS[1], temperature=0,
-            max_tokens=NUM_GREEDY_TOKENS, stream=True, stream_options={"include_usage": True}))
+        return list(
+            client.completions.create(
+                model=model,
+                prompt=COMPLETION_PROMPTS[1],
+                temperature=0,
+                max_tokens=NUM_GREEDY_TOKENS,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
 
     def stream_chat() -> list[Any]:
-        return list(client.chat.completions.create(
-            model=model, messages=CONVERSATIONS[0], temperature=0, max_tokens=NUM_GREEDY_TOKENS,
-            stream=True, stream_options={"include_usage": True}))
+        return list(
+            client.chat.completions.create(
+                model=model,
+                messages=CONVERSATIONS[0],
+                temperature=0,
+                max_tokens=NUM_GREEDY_TOKENS,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
 
     completion_chunks, chat_chunks = _in_parallel(stream_completion, stream_chat)
     expected_completion = offline["completions"][1].outputs[0]
@@ -174,21 +212,34 @@ def test_streamed_text_equals_the_offline_text_and_ends_with_a_usage_chunk(clien
     assert content == expected_chat.text
     assert delta_chunks[-1].choices[0].finish_reason == expected_chat.finish_reason
     assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == len(
-        expected_chat.token_ids)
-    assert usage_chunk.usage.total_tokens == (usage_chunk.usage.prompt_tokens
-                                              + usage_chunk.usage.completion_tokens)
+        expected_chat.token_ids
+    )
+    assert usage_chunk.usage.total_tokens == (
+        usage_chunk.usage.prompt_tokens + usage_chunk.usage.completion_tokens
+    )
 
 
 def test_streams_without_include_usage_carry_no_usage(client, model):
-    chunks = list(client.completions.create(model=model, prompt="Hello", max_tokens=3,
-                                            temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="Hello", max_tokens=3, temperature=0, stream=True
+        )
+    )
     assert chunks and all(chunk.usage is None and len(chunk.choices) == 1 for chunk in chunks)
 
 
 def test_streamed_chat_with_n_2_finishes_both_choices(client, model):
-    chunks = list(client.chat.completions.create(
-        model=model, messages=CONVERSATIONS[0], n=2, temperature=1, seed=3, max_tokens=6,
-        stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=CONVERSATIONS[0],
+            n=2,
+            temperature=1,
+            seed=3,
+            max_tokens=6,
+            stream=True,
+        )
+    )
     finish_reasons: dict[int, list[str]] = {0: [], 1: []}
     for chunk in chunks:
         for choice in chunk.choices:
@@ -203,23 +254,33 @@ def test_stop_strings_end_the_text_before_the_stop_string(client, model, offline
     completion_stop, chat_stop = _stop_string_in(full_completion), _stop_string_in(full_chat)
 
     def complete(**extra: Any) -> Any:
-        return client.completions.create(model=model, prompt=COMPLETION_PROMPTS[1], temperature=0,
-                                         max_tokens=NUM_GREEDY_TOKENS, **extra)
+        return client.completions.create(
+            model=model,
+            prompt=COMPLETION_PROMPTS[1],
+            temperature=0,
+            max_tokens=NUM_GREEDY_TOKENS,
+            **extra,
+        )
 
     plain, included, streamed, chat = _in_parallel(
         lambda: complete(stop=[completion_stop, "never-generated"]),
         lambda: complete(stop=completion_stop, extra_body={"include_stop_str_in_output": True}),
         lambda: list(complete(stop=completion_stop, stream=True)),
-        lambda: client.chat.completions.create(model=model, messages=CONVERSATIONS[0],
-                                               temperature=0, max_tokens=NUM_GREEDY_TOKENS,
-                                               stop=chat_stop))
+        lambda: client.chat.completions.create(
+            model=model,
+            messages=CONVERSATIONS[0],
+            temperature=0,
+            max_tokens=NUM_GREEDY_TOKENS,
+            stop=chat_stop,
+        ),
+    )
     cut = full_completion.find(completion_stop)
     assert plain.choices[0].text == full_completion[:cut]
     assert plain.choices[0].finish_reason == "stop"
-    assert included.choices[0].text == full_completion[:cut + len(completion_stop)]
+    assert included.choices[0].text == full_completion[: cut + len(completion_stop)]
     assert "".join(chunk.choices[0].text for chunk in streamed) == full_completion[:cut]
     assert streamed[-1].choices[0].finish_reason == "stop"
-    assert chat.choices[0].message.content == full_chat[:full_chat.find(chat_stop)]
+    assert chat.choices[0].message.content == full_chat[: full_chat.find(chat_stop)]
     assert chat.choices[0].finish_reason == "stop"
 
 
@@ -227,8 +288,9 @@ def test_stop_strings_end_the_text_before_the_stop_string(client, model, offline
 
 
 def test_completion_logprobs_are_legacy_lists_with_top_logprobs(client, model):
-    response = client.completions.create(model=model, prompt=COMPLETION_PROMPTS[0], max_tokens=6,
-                                         temperature=0, logprobs=3)
+    response = client.completions.create(
+        model=model, prompt=COMPLETION_PROMPTS[0], max_tokens=6, temperature=0, logprobs=3
+    )
     choice = response.choices[0]
     logprobs = choice.logprobs
     num_tokens = response.usage.completion_tokens
@@ -239,16 +301,23 @@ def test_completion_logprobs_are_legacy_lists_with_top_logprobs(client, model):
     for token in logprobs.tokens[:-1]:
         offsets.append(offsets[-1] + len(token))
     assert logprobs.text_offset == offsets
-    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs,
-                                   logprobs.top_logprobs, strict=True):
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
         assert logprob <= 0 and 3 <= len(top) <= 4
         assert top[token] == pytest.approx(logprob)
         assert logprob == pytest.approx(max(top.values()))  # greedy picks the best token
 
 
 def test_chat_logprobs_list_each_token_with_its_top_logprobs(client, model):
-    response = client.chat.completions.create(model=model, messages=CONVERSATIONS[0], max_tokens=6,
-                                              temperature=0, logprobs=True, top_logprobs=2)
+    response = client.chat.completions.create(
+        model=model,
+        messages=CONVERSATIONS[0],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = response.choices[0].logprobs.content
     assert len(content) == response.usage.completion_tokens
     assert "".join(entry.token for entry in content) == response.choices[0].message.content
@@ -261,24 +330,31 @@ def test_chat_logprobs_list_each_token_with_its_top_logprobs(client, model):
 
 
 def test_chat_without_logprobs_returns_none(client, model):
-    response = client.chat.completions.create(model=model, messages=CONVERSATIONS[0], max_tokens=2,
-                                              temperature=0)
+    response = client.chat.completions.create(
+        model=model, messages=CONVERSATIONS[0], max_tokens=2, temperature=0
+    )
     assert response.choices[0].logprobs is None
 
 
 def test_same_seed_gives_the_same_text_at_temperature_1(client, model):
     def complete(seed: int) -> list[str]:
-        response = client.completions.create(model=model, prompt="Once upon a time", n=2,
-                                             temperature=1, seed=seed, max_tokens=12)
+        response = client.completions.create(
+            model=model, prompt="Once upon a time", n=2, temperature=1, seed=seed, max_tokens=12
+        )
         return [choice.text for choice in response.choices]
 
     def chat(seed: int) -> str:
-        return client.chat.completions.create(model=model, messages=CONVERSATIONS[0],
-                                              temperature=1, seed=seed,
-                                              max_tokens=12).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model=model, messages=CONVERSATIONS[0], temperature=1, seed=seed, max_tokens=12
+            )
+            .choices[0]
+            .message.content
+        )
 
-    first, again, chat_first, chat_again = _in_parallel(lambda: complete(7), lambda: complete(7),
-                                                        lambda: chat(11), lambda: chat(11))
+    first, again, chat_first, chat_again = _in_parallel(
+        lambda: complete(7), lambda: complete(7), lambda: chat(11), lambda: chat(11)
+    )
     assert first == again
     assert first[0] != first[1]  # n=2 choices are different samples, not copies
     assert chat_first == chat_again
@@ -297,66 +373,200 @@ BAD_REQUESTS = [
     ("body_not_an_object", COMPLETIONS, b"[1, 2]", AUTH, 400, None, None),
     ("missing_prompt", COMPLETIONS, {"max_tokens": 2}, AUTH, 400, "prompt", None),
     ("prompt_wrong_type", COMPLETIONS, {"prompt": 5}, AUTH, 400, "prompt", None),
-    ("max_tokens_string", COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, AUTH, 400,
-     "max_tokens", None),
-    ("temperature_string", CHAT, {"messages": USER, "temperature": "hot"}, AUTH, 400,
-     "temperature", None),
+    (
+        "max_tokens_string",
+        COMPLETIONS,
+        {"prompt": "x", "max_tokens": "5"},
+        AUTH,
+        400,
+        "max_tokens",
+        None,
+    ),
+    (
+        "temperature_string",
+        CHAT,
+        {"messages": USER, "temperature": "hot"},
+        AUTH,
+        400,
+        "temperature",
+        None,
+    ),
     ("stream_not_bool", COMPLETIONS, {"prompt": "x", "stream": "yes"}, AUTH, 400, "stream", None),
     ("messages_not_a_list", CHAT, {"messages": "Hi"}, AUTH, 400, "messages", None),
-    ("max_tokens_zero", COMPLETIONS, {"prompt": "x", "max_tokens": 0}, AUTH, 400, "max_tokens",
-     None),
-    ("max_tokens_negative", CHAT, {"messages": USER, "max_tokens": -1}, AUTH, 400, "max_tokens",
-     None),
-    ("max_tokens_beyond_context", COMPLETIONS, {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, AUTH,
-     400, "max_tokens", None),
-    ("max_tokens_beyond_context_chat", CHAT, {"messages": USER, "max_tokens": 2 * MAX_MODEL_LEN},
-     AUTH, 400, "max_tokens", None),
-    ("max_completion_tokens_beyond_context", CHAT,
-     {"messages": USER, "max_completion_tokens": 2 * MAX_MODEL_LEN}, AUTH, 400, None, None),
-    ("temperature_negative", COMPLETIONS, {"prompt": "x", "temperature": -0.5}, AUTH, 400,
-     "temperature", None),
-    ("temperature_negative_chat", CHAT, {"messages": USER, "temperature": -1}, AUTH, 400,
-     "temperature", None),
+    (
+        "max_tokens_zero",
+        COMPLETIONS,
+        {"prompt": "x", "max_tokens": 0},
+        AUTH,
+        400,
+        "max_tokens",
+        None,
+    ),
+    (
+        "max_tokens_negative",
+        CHAT,
+        {"messages": USER, "max_tokens": -1},
+        AUTH,
+        400,
+        "max_tokens",
+        None,
+    ),
+    (
+        "max_tokens_beyond_context",
+        COMPLETIONS,
+        {"prompt": "x", "max_tokens": MAX_MODEL_LEN},
+        AUTH,
+        400,
+        "max_tokens",
+        None,
+    ),
+    (
+        "max_tokens_beyond_context_chat",
+        CHAT,
+        {"messages": USER, "max_tokens": 2 * MAX_MODEL_LEN},
+        AUTH,
+        400,
+        "max_tokens",
+        None,
+    ),
+    (
+        "max_completion_tokens_beyond_context",
+        CHAT,
+        {"messages": USER, "max_completion_tokens": 2 * MAX_MODEL_LEN},
+        AUTH,
+        400,
+        None,
+        None,
+    ),
+    (
+        "temperature_negative",
+        COMPLETIONS,
+        {"prompt": "x", "temperature": -0.5},
+        AUTH,
+        400,
+        "temperature",
+        None,
+    ),
+    (
+        "temperature_negative_chat",
+        CHAT,
+        {"messages": USER, "temperature": -1},
+        AUTH,
+        400,
+        "temperature",
+        None,
+    ),
     ("top_p_zero", COMPLETIONS, {"prompt": "x", "top_p": 0}, AUTH, 400, "top_p", None),
     ("top_p_above_one", CHAT, {"messages": USER, "top_p": 1.5}, AUTH, 400, "top_p", None),
     ("n_zero", COMPLETIONS, {"prompt": "x", "n": 0}, AUTH, 400, "n", None),
     ("n_negative_chat", CHAT, {"messages": USER, "n": -1}, AUTH, 400, "n", None),
     ("empty_messages", CHAT, {"messages": []}, AUTH, 400, "messages", None),
-    ("unknown_role", CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, AUTH, 400,
-     "messages[0].role", None),
-    ("unknown_model", COMPLETIONS, {"prompt": "x", "model": "gpt-4"}, AUTH, 404, "model",
-     "model_not_found"),
-    ("unknown_model_chat", CHAT, {"messages": USER, "model": "gpt-4"}, AUTH, 404, "model",
-     "model_not_found"),
+    (
+        "unknown_role",
+        CHAT,
+        {"messages": [{"role": "wizard", "content": "Hi"}]},
+        AUTH,
+        400,
+        "messages[0].role",
+        None,
+    ),
+    (
+        "unknown_model",
+        COMPLETIONS,
+        {"prompt": "x", "model": "gpt-4"},
+        AUTH,
+        404,
+        "model",
+        "model_not_found",
+    ),
+    (
+        "unknown_model_chat",
+        CHAT,
+        {"messages": USER, "model": "gpt-4"},
+        AUTH,
+        404,
+        "model",
+        "model_not_found",
+    ),
     ("prompt_too_long", COMPLETIONS, {"prompt": LONG_PROMPT}, AUTH, 400, "prompt", None),
-    ("prompt_too_long_chat", CHAT, {"messages": [{"role": "user", "content": LONG_PROMPT}]}, AUTH,
-     400, "messages", None),
+    (
+        "prompt_too_long_chat",
+        CHAT,
+        {"messages": [{"role": "user", "content": LONG_PROMPT}]},
+        AUTH,
+        400,
+        "messages",
+        None,
+    ),
     ("empty_prompt", COMPLETIONS, {"prompt": ""}, AUTH, 400, "prompt", None),
     ("token_id_out_of_vocabulary", COMPLETIONS, {"prompt": [1, 10**9]}, AUTH, 400, "prompt", None),
     ("logprobs_above_5", COMPLETIONS, {"prompt": "x", "logprobs": 6}, AUTH, 400, "logprobs", None),
-    ("top_logprobs_above_20", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, AUTH,
-     400, "top_logprobs", None),
-    ("top_logprobs_without_logprobs", CHAT, {"messages": USER, "top_logprobs": 2}, AUTH, 400,
-     "top_logprobs", None),
+    (
+        "top_logprobs_above_20",
+        CHAT,
+        {"messages": USER, "logprobs": True, "top_logprobs": 21},
+        AUTH,
+        400,
+        "top_logprobs",
+        None,
+    ),
+    (
+        "top_logprobs_without_logprobs",
+        CHAT,
+        {"messages": USER, "top_logprobs": 2},
+        AUTH,
+        400,
+        "top_logprobs",
+        None,
+    ),
     ("missing_api_key", COMPLETIONS, {"prompt": "x"}, {}, 401, None, "invalid_api_key"),
-    ("wrong_api_key", CHAT, {"messages": USER}, {"authorization": "Bearer nope"}, 401, None,
-     "invalid_api_key"),
-    ("api_key_without_bearer", COMPLETIONS, {"prompt": "x"}, {"authorization": API_KEY}, 401, None,
-     "invalid_api_key"),
+    (
+        "wrong_api_key",
+        CHAT,
+        {"messages": USER},
+        {"authorization": "Bearer nope"},
+        401,
+        None,
+        "invalid_api_key",
+    ),
+    (
+        "api_key_without_bearer",
+        COMPLETIONS,
+        {"prompt": "x"},
+        {"authorization": API_KEY},
+        401,
+        None,
+        "invalid_api_key",
+    ),
     ("unknown_route", "/v1/engines", {"prompt": "x"}, AUTH, 404, None, None),
-    ("body_too_large", COMPLETIONS, {"prompt": "x" * (1 << 20)}, AUTH, 413, None,
-     "request_too_large"),
+    (
+        "body_too_large",
+        COMPLETIONS,
+        {"prompt": "x" * (1 << 20)},
+        AUTH,
+        413,
+        None,
+        "request_too_large",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "headers", "status", "param", "code"),
-                         [case[1:] for case in BAD_REQUESTS], ids=[case[0] for case in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status", "param", "code"),
+    [case[1:] for case in BAD_REQUESTS],
+    ids=[case[0] for case in BAD_REQUESTS],
+)
 def test_bad_request_gets_its_4xx_with_an_openai_error_body_and_the_server_keeps_serving(
-        server, path, body, headers, status, param, code):
+    server, path, body, headers, status, param, code
+):
     url = server[0]
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = httpx.post(url + path, content=content, timeout=REQUEST_TIMEOUT_S,
-                          headers={**headers, "content-type": "application/json"})
+    response = httpx.post(
+        url + path,
+        content=content,
+        timeout=REQUEST_TIMEOUT_S,
+        headers={**headers, "content-type": "application/json"},
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -391,8 +601,9 @@ def test_openai_client_raises_its_typed_exceptions(client, model, server):
 def test_sigterm_ends_open_streams_and_exits_zero(server):
     url, process = server
     body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH,
-                      timeout=REQUEST_TIMEOUT_S) as response:
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=REQUEST_TIMEOUT_S
+    ) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
         process.send_signal(signal.SIGTERM)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from pagedserve.engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -45,17 +45,37 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400,
-     "messages[0].role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "tool", "content": "x"}]},
+        400,
+        "messages[0].role",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        },
+        400,
+        "messages[0].content",
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": USER, "top_logprobs": 21, "logprobs": True}, 400,
-     "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": USER, "top_logprobs": 21, "logprobs": True},
+        400,
+        "top_logprobs",
+    ),
     ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 100}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 60}]}, 400,
-     "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x" * 60}]},
+        400,
+        "messages",
+    ),
     ("/v1/chat/completions", {"messages": USER, "model": "nope"}, 404, "model"),
     ("/detokenize", {"tokens": [300]}, 400, "tokens"),
     ("/tokenize", {}, 400, "prompt"),
@@ -65,8 +85,7 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize(("route", "payload", "status", "param"), BAD_REQUESTS)
 def test_bad_request_gets_an_openai_error_body(client, route, payload, status, param):
     if isinstance(payload, bytes):
-        response = client.post(route, content=payload,
-                               headers={"content-type": "application/json"})
+        response = client.post(route, content=payload, headers={"content-type": "application/json"})
     else:
         response = client.post(route, json=payload)
     assert response.status_code == status, response.text
@@ -77,8 +96,9 @@ def test_bad_request_gets_an_openai_error_body(client, route, payload, status, p
 
 
 def test_too_long_request_states_both_lengths(client):
-    message = client.post("/v1/completions",
-                          json={"prompt": "hi", "max_tokens": 63}).json()["error"]["message"]
+    message = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 63}).json()[
+        "error"
+    ]["message"]
     assert "64" in message and "65" in message
     message = client.post("/v1/completions", json={"prompt": "x" * 70}).json()["error"]["message"]
     assert "64" in message and "70" in message
@@ -90,11 +110,14 @@ def test_unknown_route_and_wrong_method_are_openai_errors(client):
     assert response.status_code == 405 and "error" in response.json()
 
 
-@pytest.mark.parametrize(("exc", "status", "error_type"), [
-    (EngineOverloadedError("busy"), 429, "rate_limit_error"),
-    (EngineDeadError("dead"), 503, "server_error"),
-    (RequestFailedError("failed"), 500, "server_error"),
-])
+@pytest.mark.parametrize(
+    ("exc", "status", "error_type"),
+    [
+        (EngineOverloadedError("busy"), 429, "rate_limit_error"),
+        (EngineDeadError("dead"), 503, "server_error"),
+        (RequestFailedError("failed"), 500, "server_error"),
+    ],
+)
 def test_engine_errors_map_to_statuses(client, engine, exc, status, error_type):
     engine.raise_on_generate = exc
     for stream in (False, True):
@@ -111,12 +134,17 @@ def test_unexpected_error_is_a_500_without_traceback(client, engine):
     assert "secret" not in response.text and "Traceback" not in response.text
 
 
-@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"},
-                                     {"authorization": "secret"}])
+@pytest.mark.parametrize(
+    "headers", [{}, {"authorization": "Bearer wrong"}, {"authorization": "secret"}]
+)
 def test_missing_or_wrong_api_key_is_401(client_with, headers):
     client = client_with(api_key="secret")
-    for method, route in [("post", "/v1/completions"), ("get", "/v1/models"),
-                          ("post", "/tokenize"), ("get", "/v1/unknown")]:
+    for method, route in [
+        ("post", "/v1/completions"),
+        ("get", "/v1/models"),
+        ("post", "/tokenize"),
+        ("get", "/v1/unknown"),
+    ]:
         response = getattr(client, method)(route, headers=headers)
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
@@ -146,7 +174,8 @@ def test_oversized_chunked_body_is_413_while_reading(client_with):
             yield b"x" * 100
         yield b'"}'
 
-    response = client.post("/v1/completions", content=chunks(),
-                           headers={"content-type": "application/json"})
+    response = client.post(
+        "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
     assert response.status_code == 413
     assert response.json()["error"]["type"] == "invalid_request_error"

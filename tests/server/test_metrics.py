@@ -4,17 +4,36 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.errors import EngineOverloadedError, InvalidRequestError
+from pagedserve.engine.errors import EngineOverloadedError, InvalidRequestError
 
-ENGINE_GAUGES = ["num_requests_running", "num_requests_waiting", "num_requests_swapped",
-                 "kv_cache_usage_perc", "num_free_blocks"]
-COUNTERS = ["num_preemptions", "prompt_tokens", "generation_tokens", "prefix_cache_queries",
-            "prefix_cache_hits", "request_success", "request_aborted"]
-HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds",
-              "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
-              "request_queue_time_seconds", "request_prefill_time_seconds",
-              "request_decode_time_seconds", "request_prompt_tokens",
-              "request_generation_tokens", "iteration_tokens_total"]
+ENGINE_GAUGES = [
+    "num_requests_running",
+    "num_requests_waiting",
+    "num_requests_swapped",
+    "kv_cache_usage_perc",
+    "num_free_blocks",
+]
+COUNTERS = [
+    "num_preemptions",
+    "prompt_tokens",
+    "generation_tokens",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "request_success",
+    "request_aborted",
+]
+HISTOGRAMS = [
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "request_time_per_output_token_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "iteration_tokens_total",
+]
 
 
 def _scrape(client) -> dict[str, object]:
@@ -52,8 +71,11 @@ def test_engine_gauges_are_read_at_scrape_time(client, engine):
 def test_request_histograms_and_finish_reasons_are_observed(client):
     client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "n": 2})
     client.post("/v1/completions", json={"prompt": "hi"})
-    samples = {(s.name, s.labels.get("finished_reason")): s.value
-               for family in _scrape(client).values() for s in family.samples}
+    samples = {
+        (s.name, s.labels.get("finished_reason")): s.value
+        for family in _scrape(client).values()
+        for s in family.samples
+    }
     assert samples[("pagedserve:request_success_total", "length")] == 2
     assert samples[("pagedserve:request_success_total", "stop")] == 1
     assert samples[("pagedserve:request_success_total", "abort")] == 0
@@ -69,9 +91,18 @@ def test_requests_the_engine_refuses_are_not_counted_as_finished(client, engine)
     assert client.post("/v1/completions", json={"prompt": "hi", "n": 2}).status_code == 429
     engine.raise_on_generate = InvalidRequestError("no", "prompt")
     assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 400
-    samples = {(s.name, s.labels.get("finished_reason")): s.value
-               for family in _scrape(client).values() for s in family.samples}
-    assert sum(value for (name, _), value in samples.items()
-               if name == "pagedserve:request_success_total") == 0
+    samples = {
+        (s.name, s.labels.get("finished_reason")): s.value
+        for family in _scrape(client).values()
+        for s in family.samples
+    }
+    assert (
+        sum(
+            value
+            for (name, _), value in samples.items()
+            if name == "pagedserve:request_success_total"
+        )
+        == 0
+    )
     assert samples.get(("pagedserve:e2e_request_latency_seconds_count", None), 0) == 0
     assert samples.get(("pagedserve:request_prompt_tokens_count", None), 0) == 0

@@ -14,68 +14,119 @@ def test_completion_returns_choices_usage_and_openai_fields(client):
     assert re.fullmatch(r"cmpl-[0-9a-f]{32}", body["id"])
     assert body["object"] == "text_completion" and body["model"] == "fake-model"
     assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
-        (0, "abc", "length"), (1, "bcd", "length")]
+        (0, "abc", "length"),
+        (1, "bcd", "length"),
+    ]
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
 
 
 def test_completion_defaults_to_16_tokens_and_stops_at_eos(client, engine):
     body = client.post("/v1/completions", json={"prompt": "hi"}).json()
-    assert body["choices"][0] == {"index": 0, "text": "abcdefgh", "logprobs": None,
-                                  "finish_reason": "stop"}
+    assert body["choices"][0] == {
+        "index": 0,
+        "text": "abcdefgh",
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
     assert engine.requests[0][2].max_tokens == 16
 
 
 def test_completion_batch_indexes_choices_by_prompt_then_n(client, engine):
-    body = client.post("/v1/completions",
-                       json={"prompt": [[104, 105], [120]], "max_tokens": 1, "n": 2}).json()
+    body = client.post(
+        "/v1/completions", json={"prompt": [[104, 105], [120]], "max_tokens": 1, "n": 2}
+    ).json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert sorted(request[1] for request in engine.requests) == [[104, 105], [120]]
     assert body["usage"]["prompt_tokens"] == 3
 
 
 def test_completion_legacy_logprobs_have_offsets_and_top_entries(client):
-    body = client.post("/v1/completions",
-                       json={"prompt": "hi", "max_tokens": 2, "logprobs": 2}).json()
+    body = client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 2}
+    ).json()
     assert body["choices"][0]["logprobs"] == {
-        "tokens": ["a", "b"], "token_logprobs": [-0.5, -0.5],
-        "top_logprobs": [{"a": -0.5, "z": -1.5}, {"b": -0.5, "z": -1.5}], "text_offset": [0, 1]}
+        "tokens": ["a", "b"],
+        "token_logprobs": [-0.5, -0.5],
+        "top_logprobs": [{"a": -0.5, "z": -1.5}, {"b": -0.5, "z": -1.5}],
+        "text_offset": [0, 1],
+    }
 
 
 def test_completion_echo_prepends_the_prompt(client):
-    body = client.post("/v1/completions",
-                       json={"prompt": "hi ", "max_tokens": 2, "echo": True}).json()
+    body = client.post(
+        "/v1/completions", json={"prompt": "hi ", "max_tokens": 2, "echo": True}
+    ).json()
     assert body["choices"][0]["text"] == "hi ab"
 
 
 def test_completion_passes_sampling_fields_to_the_engine(client, engine):
-    client.post("/v1/completions", json={
-        "prompt": "hi", "max_tokens": 2, "temperature": 0, "top_p": 0.5, "top_k": 3,
-        "min_p": 0.1, "seed": 7, "stop": "x", "stop_token_ids": [1], "logit_bias": {"5": 1.0},
-        "repetition_penalty": 1.1, "min_tokens": 1, "include_stop_str_in_output": True,
-        "presence_penalty": 0.5, "frequency_penalty": -0.5, "user": "u", "best_of": 1})
+    client.post(
+        "/v1/completions",
+        json={
+            "prompt": "hi",
+            "max_tokens": 2,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": 3,
+            "min_p": 0.1,
+            "seed": 7,
+            "stop": "x",
+            "stop_token_ids": [1],
+            "logit_bias": {"5": 1.0},
+            "repetition_penalty": 1.1,
+            "min_tokens": 1,
+            "include_stop_str_in_output": True,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "user": "u",
+            "best_of": 1,
+        },
+    )
     params = engine.requests[0][2]
     assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (
-        0.0, 0.5, 3, 0.1, 7)
+        0.0,
+        0.5,
+        3,
+        0.1,
+        7,
+    )
     assert params.stop == ("x",) and params.stop_token_ids == (1,)
     assert params.logit_bias == {5: 1.0} and params.min_tokens == 1
     assert params.include_stop_str_in_output and params.repetition_penalty == 1.1
 
 
 def test_unknown_fields_are_ignored_like_openai(client):
-    response = client.post("/v1/completions",
-                           json={"prompt": "hi", "max_tokens": 1, "future_field": {"x": 1}})
+    response = client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "future_field": {"x": 1}}
+    )
     assert response.status_code == 200
 
 
 def test_null_optional_fields_mean_their_defaults_like_openai(client):
-    response = client.post("/v1/completions", json={
-        "prompt": "hi", "max_tokens": 1, "stream": None, "echo": None, "min_tokens": None,
-        "ignore_eos": None, "stream_options": None, "logprobs": None})
+    response = client.post(
+        "/v1/completions",
+        json={
+            "prompt": "hi",
+            "max_tokens": 1,
+            "stream": None,
+            "echo": None,
+            "min_tokens": None,
+            "ignore_eos": None,
+            "stream_options": None,
+            "logprobs": None,
+        },
+    )
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == "a"  # not echoed, not streamed
-    chat = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi", "name": None}], "max_tokens": 1,
-        "logprobs": None, "stream": None})
+    chat = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi", "name": None}],
+            "max_tokens": 1,
+            "logprobs": None,
+            "stream": None,
+        },
+    )
     assert chat.status_code == 200, chat.text
     assert chat.json()["choices"][0]["logprobs"] is None
 
@@ -85,17 +136,26 @@ def test_a_chat_template_that_rejects_the_conversation_is_a_400(client, engine, 
         raise TemplateError("Conversation roles must alternate user/assistant/user/assistant")
 
     monkeypatch.setattr(engine.tokenizer, "apply_chat_template", strict_template)
-    response = client.post("/v1/chat/completions", json={"messages": [
-        {"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
+    response = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "messages" and "must alternate" in error["message"]
 
 
 def test_chat_applies_the_template_and_defaults_to_the_remaining_context(client, engine):
-    body = client.post("/v1/chat/completions", json={"model": "fake-model", "messages": [
-        {"role": "developer", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}).json()
+    body = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "fake-model",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ],
+        },
+    ).json()
     _, prompt_ids, params = engine.requests[0]
     assert bytes(prompt_ids).decode() == "<system>be brief\n<user>hi\n<assistant>"
     assert params.max_tokens == engine.max_model_len - len(prompt_ids)
@@ -106,20 +166,38 @@ def test_chat_applies_the_template_and_defaults_to_the_remaining_context(client,
 
 
 def test_chat_prefers_max_completion_tokens(client, engine):
-    body = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-        "max_completion_tokens": 2}).json()
+    body = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "max_completion_tokens": 2,
+        },
+    ).json()
     assert body["choices"][0]["finish_reason"] == "length"
     assert engine.requests[0][2].max_tokens == 2
 
 
 def test_chat_logprobs_use_the_chat_format(client):
-    body = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True,
-        "top_logprobs": 1}).json()
-    assert body["choices"][0]["logprobs"] == {"content": [{
-        "token": "a", "logprob": -0.5, "bytes": [97],
-        "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}]}]}
+    body = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "logprobs": True,
+            "top_logprobs": 1,
+        },
+    ).json()
+    assert body["choices"][0]["logprobs"] == {
+        "content": [
+            {
+                "token": "a",
+                "logprob": -0.5,
+                "bytes": [97],
+                "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}],
+            }
+        ]
+    }
 
 
 def test_models_lists_the_served_model(client):
@@ -142,7 +220,10 @@ def test_version_reports_a_version(client):
 
 def test_tokenize_prompt_and_messages(client):
     assert client.post("/tokenize", json={"prompt": "hi"}).json() == {
-        "tokens": [104, 105], "count": 2, "max_model_len": 64}
+        "tokens": [104, 105],
+        "count": 2,
+        "max_model_len": 64,
+    }
     chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).json()
     assert bytes(chat["tokens"]).decode() == "<user>x\n<assistant>"
 
@@ -165,15 +246,18 @@ def test_every_response_carries_a_request_id(client):
 
 def test_priority_reaches_the_engine_for_every_prompt_under_the_priority_policy(client, engine):
     engine.scheduling_policy = "priority"
-    response = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1,
-                                                    "priority": -2})
+    response = client.post(
+        "/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1, "priority": -2}
+    )
     assert response.status_code == 200, response.text
     assert sorted(engine.priorities.values()) == [-2, -2]
 
 
 def test_priority_under_fcfs_is_a_400_naming_the_field(client):
-    response = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "priority": 1})
+    response = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "priority": 1},
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "priority"
 
@@ -183,5 +267,5 @@ def test_a_prompt_refused_as_overloaded_closes_the_prompts_already_accepted(clie
     engine.hang_after_first_delta = True  # the accepted prompt is still running when refused
     response = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 4})
     assert response.status_code == 429, response.text
-    (accepted, _, _), = engine.requests
+    ((accepted, _, _),) = engine.requests
     assert accepted in engine.closed_early  # closing its stream is what aborts it in AsyncEngine

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import uvicorn
 
-from server.cli import GracefulServer
+from pagedserve.server.cli import GracefulServer
 
 
 @pytest.fixture
@@ -19,8 +19,9 @@ def served(app, engine) -> Iterator[tuple[str, object, uvicorn.Server]]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    config = uvicorn.Config(app, host="127.0.0.1", port=port,
-                            log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5
+    )
     server = GracefulServer(config, grace_s=0.2)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
