@@ -129,8 +129,9 @@ def drain(engine: Any, request_ids: list[str]) -> None:
 def timed_step(engine: Any) -> dict[str, float]:
     """One decode step, phase by phase, as `LLMEngine.step` runs it; seconds per phase.
 
-    NOTE: mirrors `step()` through the engine's private `_sampling_row` and `_delta`; the smoke
-    test fails if they change, so this breakdown cannot silently drift from the real step."""
+    NOTE: mirrors `step()` through its seams (the output processor's `sampling_rows` and
+    `process`); the smoke test fails if they change, so this cannot drift from the real step."""
+    from pagedserve.engine.sampler import SampledBatch
     from pagedserve.scheduler import ModelRunnerOutput
 
     runner, clock = engine.runner, time.perf_counter
@@ -148,14 +149,12 @@ def timed_step(engine: Any) -> dict[str, float]:
     logits = runner.forward(batch)
     t3 = clock()
     attention_s = runner.backend.seconds - attention_before
-    rows = [engine._sampling_row(s.request_id) for s in plan.requests if s.needs_sample]
-    results = engine.sampler.sample(logits, rows)
+    rows = engine.outputs.sampling_rows(plan)
+    sampled = SampledBatch.split(rows, engine.sampler.sample(logits, rows))
     t4 = clock()
-    sampled = {row.request_id: result.token_id for row, result in zip(rows, results, strict=True)}
-    updates = engine.scheduler.update_from_output(plan, ModelRunnerOutput(sampled))
+    updates = engine.scheduler.update_from_output(plan, ModelRunnerOutput(sampled.token_ids))
     t5 = clock()
-    for update in updates:
-        engine._delta(update.request_id, update.new_token_ids, update.status, None)
+    engine.outputs.process(updates, sampled.logprobs)
     t6 = clock()
     if plan.num_batched_tokens != len(plan.requests):
         raise RuntimeError("a timed step was not a pure decode step")

@@ -48,6 +48,28 @@ class SampleResult:
     logprob: TokenLogprob | None
 
 
+@dataclass(slots=True)
+class SampledBatch:
+    """One step's sampling results split by outcome, keyed by sequence id."""
+
+    token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob | None] = field(default_factory=dict)
+    errors: dict[str, Exception] = field(default_factory=dict)  # these sequences have no token
+
+    @classmethod
+    def split(
+        cls, rows: list[SamplingRow], results: list[SampleResult | Exception]
+    ) -> SampledBatch:
+        batch = cls()
+        for row, result in zip(rows, results, strict=True):
+            if isinstance(result, Exception):
+                batch.errors[row.request_id] = result
+            else:
+                batch.token_ids[row.request_id] = result.token_id
+                batch.logprobs[row.request_id] = result.logprob
+        return batch
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         # For unseeded requests; on the logits' device, as exponential_ requires.

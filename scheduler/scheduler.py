@@ -129,6 +129,17 @@ class Scheduler:
         self.block_manager.free(request_id)
         return request
 
+    def stop_on_string(self, request: Request) -> None:
+        """The engine found a stop string in `request`'s text: it finishes as stopped.
+
+        A request still running is finished (blocks freed at once). One that this step's token
+        already finished by length ends as stopped all the same: the stop string ended its text.
+        """
+        if not request.is_finished:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif request.status == RequestStatus.FINISHED_LENGTH:
+            request.status = RequestStatus.FINISHED_STOPPED
+
     def abort_request(self, request_id: str) -> Request | None:
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 

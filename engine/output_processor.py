@@ -1,0 +1,213 @@
+"""`OutputProcessor`: the engine's side of a step after the scheduler's update.
+
+Owns the per-choice state (detokenizer, seeded generator) and the per-request groups of choices
+(`n > 1`); turns each `RequestUpdate` into a `RequestDelta` (text, stop strings, logprobs,
+timings). It never sets a sequence's status: a stop string is reported to the scheduler
+(`Scheduler.stop_on_string`), which decides how the sequence finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.outputs import RequestDelta, RequestTimings, TokenLogprob
+from pagedserve.engine.sampler import SamplingRow
+from pagedserve.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice of a user request: the scheduler's sequence plus what only the engine keeps."""
+
+    index: int  # the choice index, 0..n-1
+    sequence: Request  # the scheduler's sequence serving this choice
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None  # set for seeded requests: seed + index
+    group: RequestState
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """One user request: its `n` choices; dropped once the last of them has finished."""
+
+    request_id: str
+    choices: list[ChoiceState]
+    num_finished: int = 0
+
+    def timings(self) -> RequestTimings:
+        """Earliest start over all choices: a forked choice is first scheduled only after its
+        parent's prompt, so the last choice alone would misstate queue and prefill times."""
+        sequences = [choice.sequence for choice in self.choices]
+        return RequestTimings(
+            sequences[0].arrival_time,
+            _earliest(s.first_scheduled_time for s in sequences),
+            _earliest(s.first_token_time for s in sequences),
+            time.monotonic(),
+        )
+
+
+class OutputProcessor:
+    """Per-request state of the engine, keyed by the user's request id (and, as an index into
+    it, by each choice's sequence id)."""
+
+    def __init__(self, tokenizer: object, scheduler: Scheduler, device: torch.device) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.device = device
+        self.requests: dict[str, RequestState] = {}  # the user's request id -> its state
+        self._choices: dict[str, ChoiceState] = {}  # sequence id -> its choice (an index)
+        self.num_prompt_tokens = 0  # prefilled: each choice's prompt, counted at its first token
+        self.num_generation_tokens = 0
+
+    def add(self, request_id: str, sequences: list[Request]) -> None:
+        """Start tracking a request whose choices are `sequences` (choice i is sequences[i]).
+
+        Raises:
+            InvalidRequestError: the request id is already in use (nothing is tracked then).
+        """
+        # A choice's sequence id ("a#1") may equal another request's id: refused up front, so
+        # that no choice is ever queued without its group.
+        if request_id in self.requests or any(s.request_id in self._choices for s in sequences):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        group = RequestState(request_id, [])
+        for index, sequence in enumerate(sequences):
+            params = sequence.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                sequence.prompt_token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+            )
+            choice = ChoiceState(index, sequence, detokenizer, generator, group)
+            group.choices.append(choice)
+            self._choices[sequence.request_id] = choice
+        self.requests[request_id] = group
+
+    def sampling_rows(self, plan: SchedulerOutput) -> list[SamplingRow]:
+        """One row per sequence that samples this step, in plan order (the logits' row order)."""
+        return [self._sampling_row(s.request_id) for s in plan.requests if s.needs_sample]
+
+    def _sampling_row(self, sequence_id: str) -> SamplingRow:
+        choice = self._choices[sequence_id]
+        sequence, params = choice.sequence, choice.sequence.sampling_params
+        banned: list[int] = []
+        if sequence.num_output_tokens < params.min_tokens:
+            banned = [t for t in (sequence.eos_token_id, *params.stop_token_ids) if t is not None]
+        return SamplingRow(
+            sequence_id,
+            params,
+            sequence.prompt_token_ids,
+            sequence.output_token_ids,
+            sequence.eos_token_id,
+            choice.generator,
+            banned,
+        )
+
+    # ---- after the scheduler's update ------------------------------------------------------
+
+    def process(
+        self, updates: list[RequestUpdate], logprobs: dict[str, TokenLogprob | None]
+    ) -> list[RequestDelta]:
+        """One delta per update: new text (held back at a possible stop string), and for a
+        finished choice its final delta."""
+        self.num_generation_tokens += len(updates)
+        return [self._process_update(update, logprobs[update.request_id]) for update in updates]
+
+    def _process_update(self, update: RequestUpdate, logprob: TokenLogprob | None) -> RequestDelta:
+        choice = self._choices[update.request_id]
+        sequence = choice.sequence
+        if sequence.num_output_tokens == len(update.new_token_ids):  # its first token: the
+            self.num_prompt_tokens += sequence.num_prompt_tokens  # prompt has been prefilled
+        text, stop_string_hit = choice.detokenizer.add(update.new_token_ids)
+        if not stop_string_hit and update.status.is_finished:
+            tail, stop_string_hit = choice.detokenizer.flush()
+            text += tail
+        if stop_string_hit:
+            self.scheduler.stop_on_string(sequence)
+        token_ids = tuple(update.new_token_ids)
+        logprobs = (logprob,) if logprob is not None else None
+        if sequence.is_finished:
+            return self._final_delta(choice, token_ids, text, logprobs)
+        return RequestDelta(
+            choice.group.request_id,
+            choice.index,
+            token_ids,
+            text,
+            logprobs,
+            sequence.num_prompt_tokens,
+            sequence.num_output_tokens,
+        )
+
+    # ---- finishing outside the token flow --------------------------------------------------
+
+    def abort(self, request_id: str) -> list[RequestDelta]:
+        """Finish every unfinished choice of `request_id` now, from any state."""
+        group = self.requests.get(request_id)
+        if group is None:
+            return []
+        sequence_ids = [choice.sequence.request_id for choice in group.choices]
+        return self._finish(sequence_ids, RequestStatus.FINISHED_ABORTED, None)
+
+    def fail(self, errors: dict[str, Exception]) -> list[RequestDelta]:
+        """Fail each sequence in `errors` (sequence id -> what went wrong); the others go on."""
+        deltas = []
+        for sequence_id, error in errors.items():
+            logger.error("sequence %s failed: %r", sequence_id, error)
+            message = f"internal error: {type(error).__name__}"
+            deltas += self._finish([sequence_id], RequestStatus.FINISHED_ERROR, message)
+        return deltas
+
+    def _finish(
+        self, sequence_ids: list[str], status: RequestStatus, error: str | None
+    ) -> list[RequestDelta]:
+        deltas = []
+        for sequence_id in sequence_ids:
+            if self.scheduler.finish_request(sequence_id, status) is not None:
+                deltas.append(self._final_delta(self._choices[sequence_id], (), "", error=error))
+        return deltas
+
+    def _final_delta(
+        self,
+        choice: ChoiceState,
+        new_token_ids: tuple[int, ...],
+        text: str,
+        logprobs: tuple[TokenLogprob, ...] | None = None,
+        error: str | None = None,
+    ) -> RequestDelta:
+        sequence, group = choice.sequence, choice.group
+        del self._choices[sequence.request_id]
+        group.num_finished += 1
+        timings = None
+        if group.num_finished == len(group.choices):  # the request's last choice
+            del self.requests[group.request_id]
+            timings = group.timings()
+        return RequestDelta(
+            group.request_id,
+            choice.index,
+            new_token_ids,
+            text,
+            logprobs,
+            sequence.num_prompt_tokens,
+            sequence.num_output_tokens,
+            finished=True,
+            finish_reason=sequence.status.finish_reason,
+            error=error,
+            num_cached_prompt_tokens=max(sequence.num_cached_tokens, 0),
+            timings=timings,
+        )
+
+
+def _earliest(times: Iterable[float | None]) -> float | None:
+    return min((t for t in times if t is not None), default=None)
