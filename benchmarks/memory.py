@@ -80,7 +80,7 @@ def waste_slots(scheduler: Scheduler) -> tuple[int, int]:
     block_size = manager.block_size
     block_fill: dict[int, int] = {}
     for request in scheduler.running:
-        for index, block_id in enumerate(manager.block_ids(request.request_id)):
+        for index, block_id in enumerate(manager.block_ids(request.sequence_id)):
             filled = min(block_size, max(0, request.num_computed_tokens - index * block_size))
             block_fill[block_id] = max(block_fill.get(block_id, 0), filled)
     reserved = len(block_fill) * block_size
@@ -108,7 +108,7 @@ def run_paged(
     total_reserved = total_wasted = peak = num_steps = 0
     while scheduler.has_unfinished_requests():
         plan = scheduler.schedule()
-        sampled = {s.request_id: FAKE_TOKEN_ID for s in plan.requests if s.needs_sample}
+        sampled = {s.sequence_id: FAKE_TOKEN_ID for s in plan.requests if s.needs_sample}
         scheduler.update_from_output(plan, ModelRunnerOutput(sampled))
         num_steps += 1
         peak = max(peak, scheduler.num_running)

@@ -1,7 +1,7 @@
-"""`BlockManager`: per-request block tables on top of the `BlockPool`.
+"""`BlockManager`: per-sequence block tables on top of the `BlockPool`.
 
-Grows tables by exactly the blocks a step needs (all or nothing), shares blocks between requests
-(prefix caching, fork) and un-shares them before a write (copy-on-write). Knows requests only by
+Grows tables by exactly the blocks a step needs (all or nothing), shares blocks between sequences
+(prefix caching, fork) and un-shares them before a write (copy-on-write). Knows sequences only by
 id: it never imports the scheduler. Pure Python, no tensors.
 """
 
@@ -31,7 +31,7 @@ def hash_block(parent_hash: int, token_ids: Sequence[int], extra_key: Hashable =
 
 
 class BlockManager:
-    """request_id -> BlockTable, with prefix caching and copy-on-write.
+    """sequence_id -> BlockTable, with prefix caching and copy-on-write.
 
     Invariant: each block's ref_count equals the number of tables that hold it
     (checked by `check_invariants`).
@@ -59,17 +59,17 @@ class BlockManager:
         """Whether `num_tokens` of context could fit in the whole pool, were it empty."""
         return ceil_div(num_tokens, self.block_size) <= self.pool.num_blocks
 
-    def get_table(self, request_id: str) -> BlockTable:
-        return self.tables[request_id]
+    def get_table(self, sequence_id: str) -> BlockTable:
+        return self.tables[sequence_id]
 
-    def block_ids(self, request_id: str) -> list[int]:
-        table = self.tables.get(request_id)
+    def block_ids(self, sequence_id: str) -> list[int]:
+        table = self.tables.get(sequence_id)
         return table.block_ids if table is not None else []
 
     def allocate_cached_prefix(
-        self, request_id: str, token_ids: Sequence[int], extra_key: Hashable = None
+        self, sequence_id: str, token_ids: Sequence[int], extra_key: Hashable = None
     ) -> int:
-        """Start `request_id`'s table with the longest cached prefix of full blocks.
+        """Start `sequence_id`'s table with the longest cached prefix of full blocks.
 
         The block holding the last token is never taken from the cache: its logits must be
         computed, so at least one token is always left to run. Mutates ref counts of hit blocks.
@@ -77,11 +77,11 @@ class BlockManager:
         Returns:
             The number of tokens whose K/V are already cached (a multiple of block_size).
         """
-        if request_id in self.tables:
-            raise RuntimeError(f"request {request_id} already has a block table")
+        if sequence_id in self.tables:
+            raise RuntimeError(f"sequence {sequence_id} already has a block table")
         table = BlockTable(self.block_size)
         hashes: list[int] = []
-        self.tables[request_id], self._block_hashes[request_id] = table, hashes
+        self.tables[sequence_id], self._block_hashes[sequence_id] = table, hashes
         if not self.pool.enable_prefix_caching:
             return 0
         self.prefix_cache_queries += len(token_ids)
@@ -101,9 +101,9 @@ class BlockManager:
         return num_cached_tokens
 
     def allocate_slots(
-        self, request_id: str, num_new_tokens: int, num_computed_tokens: int
+        self, sequence_id: str, num_new_tokens: int, num_computed_tokens: int
     ) -> bool:
-        """Reserve slots for positions [num_computed, num_computed + num_new) of `request_id`.
+        """Reserve slots for positions [num_computed, num_computed + num_new) of `sequence_id`.
 
         ```
         | computed (cached) | new this step  |  unreserved
@@ -118,7 +118,7 @@ class BlockManager:
         Returns:
             True on success; False when the pool is short, in which case nothing changed.
         """
-        table = self.tables.get(request_id)
+        table = self.tables.get(sequence_id)
         if table is None:
             table = BlockTable(self.block_size)
         shared = self._shared_blocks_in_range(table, num_computed_tokens, num_new_tokens)
@@ -128,8 +128,8 @@ class BlockManager:
         for idx in shared:
             self._copy_on_write(table, idx)
         table.block_ids.extend(block.block_id for block in self.pool.allocate(num_new_blocks))
-        self.tables.setdefault(request_id, table)
-        self._block_hashes.setdefault(request_id, [])
+        self.tables.setdefault(sequence_id, table)
+        self._block_hashes.setdefault(sequence_id, [])
         return True
 
     def _shared_blocks_in_range(self, table: BlockTable, start: int, num_tokens: int) -> list[int]:
@@ -160,15 +160,15 @@ class BlockManager:
 
     def cache_computed_blocks(
         self,
-        request_id: str,
+        sequence_id: str,
         token_ids: Sequence[int],
         num_computed_tokens: int,
         extra_key: Hashable = None,
     ) -> None:
-        """Register each block of `request_id` that is now full and computed in the prefix cache."""
+        """Register each block of `sequence_id` that is now full and computed in the prefix cache."""
         if not self.pool.enable_prefix_caching:
             return
-        table, hashes = self.tables[request_id], self._block_hashes[request_id]
+        table, hashes = self.tables[sequence_id], self._block_hashes[sequence_id]
         num_full_blocks = min(num_computed_tokens // self.block_size, len(table))
         parent = hashes[-1] if hashes else _NO_PARENT
         for idx in range(len(hashes), num_full_blocks):
@@ -185,7 +185,7 @@ class BlockManager:
         child's history. Ref counts go up; the first write into a shared block copies it.
         """
         if child_id in self.tables:
-            raise RuntimeError(f"request {child_id} already has a block table")
+            raise RuntimeError(f"sequence {child_id} already has a block table")
         parent = self.tables[parent_id]
         if num_tokens > parent.num_slots:
             raise RuntimeError(
@@ -198,10 +198,10 @@ class BlockManager:
         num_full_blocks = num_tokens // self.block_size
         self._block_hashes[child_id] = self._block_hashes[parent_id][:num_full_blocks]
 
-    def free(self, request_id: str) -> None:
+    def free(self, sequence_id: str) -> None:
         """Release each of the request's block references once; a no-op for an unknown id."""
-        table = self.tables.pop(request_id, None)
-        self._block_hashes.pop(request_id, None)
+        table = self.tables.pop(sequence_id, None)
+        self._block_hashes.pop(sequence_id, None)
         if table is not None:
             # Tail first: the tail is the least likely to be shared, so it is evicted first.
             self.pool.free(self.pool.blocks[block_id] for block_id in reversed(table.block_ids))

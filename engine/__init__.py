@@ -1,6 +1,8 @@
 """The engine: step loop, model runner, sampling, detokenization, offline and async APIs.
 
-The server imports only this package's public surface (and `configs`).
+The server imports only this package's public surface (and `configs`). Ids: a caller's
+`request_id` names one request (one prompt); `index` one of its `n` choices; the scheduler's
+`sequence_id` ("<request_id>#<index>") one choice's sequence (README: "Ids").
 """
 
 from pagedserve.configs import SamplingParams

@@ -112,20 +112,18 @@ class LLMEngine:
             params = dataclasses.replace(
                 params, stop_token_ids=params.stop_token_ids + extra_stop_ids
             )
-        sequence_ids = (
-            [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        )
+        sequence_ids = [sequence_id(request_id, index) for index in range(params.n)]
         sequences = [
             Request(
-                sequence_id,
+                sequence_ids[index],
                 list(prompt_token_ids),
                 params,
                 eos_token_id=eos,
                 arrival_time=arrival_time,
                 priority=priority,
-                parent_request_id=sequence_ids[0] if index else None,
+                parent_sequence_id=sequence_ids[0] if index else None,
             )
-            for index, sequence_id in enumerate(sequence_ids)
+            for index in range(params.n)
         ]
         self.outputs.add(request_id, sequences)  # refuses a request id in use, before queueing
         for sequence in sequences:
@@ -154,7 +152,7 @@ class LLMEngine:
             logits = self.runner.execute(plan)  # [num sampling sequences, vocab_size]
         except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("forward pass failed; failing %d sequences", len(plan.requests))
-            return self.outputs.fail({s.request_id: error for s in plan.requests})
+            return self.outputs.fail({s.sequence_id: error for s in plan.requests})
         # Seam: a logits processor (e.g. a grammar's token bitmask) edits `logits` rows here.
         sampled = self._sample(plan, logits)
         deltas = self.outputs.fail(sampled.errors)  # before the update: they have no token
@@ -188,6 +186,12 @@ class LLMEngine:
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             num_steps=self.num_steps,
         )
+
+
+def sequence_id(request_id: str, index: int) -> str:
+    """The scheduler's id of choice `index` of `request_id`. Distinct requests never share one:
+    the index after the last "#" gives back both parts."""
+    return f"{request_id}#{index}"
 
 
 def _cap_to_sliding_window(max_model_len: int, hf_config: object) -> int:

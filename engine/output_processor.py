@@ -74,9 +74,7 @@ class OutputProcessor:
         Raises:
             InvalidRequestError: the request id is already in use (nothing is tracked then).
         """
-        # A choice's sequence id ("a#1") may equal another request's id: refused up front, so
-        # that no choice is ever queued without its group.
-        if request_id in self.requests or any(s.request_id in self._choices for s in sequences):
+        if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         group = RequestState(request_id, [])
         for index, sequence in enumerate(sequences):
@@ -92,12 +90,12 @@ class OutputProcessor:
             )
             choice = ChoiceState(index, sequence, detokenizer, generator, group)
             group.choices.append(choice)
-            self._choices[sequence.request_id] = choice
+            self._choices[sequence.sequence_id] = choice
         self.requests[request_id] = group
 
     def sampling_rows(self, plan: SchedulerOutput) -> list[SamplingRow]:
         """One row per sequence that samples this step, in plan order (the logits' row order)."""
-        return [self._sampling_row(s.request_id) for s in plan.requests if s.needs_sample]
+        return [self._sampling_row(s.sequence_id) for s in plan.requests if s.needs_sample]
 
     def _sampling_row(self, sequence_id: str) -> SamplingRow:
         choice = self._choices[sequence_id]
@@ -123,10 +121,10 @@ class OutputProcessor:
         """One delta per update: new text (held back at a possible stop string), and for a
         finished choice its final delta."""
         self.num_generation_tokens += len(updates)
-        return [self._process_update(update, logprobs[update.request_id]) for update in updates]
+        return [self._process_update(update, logprobs[update.sequence_id]) for update in updates]
 
     def _process_update(self, update: RequestUpdate, logprob: TokenLogprob | None) -> RequestDelta:
-        choice = self._choices[update.request_id]
+        choice = self._choices[update.sequence_id]
         sequence = choice.sequence
         if sequence.num_output_tokens == len(update.new_token_ids):  # its first token: the
             self.num_prompt_tokens += sequence.num_prompt_tokens  # prompt has been prefilled
@@ -157,7 +155,7 @@ class OutputProcessor:
         group = self.requests.get(request_id)
         if group is None:
             return []
-        sequence_ids = [choice.sequence.request_id for choice in group.choices]
+        sequence_ids = [choice.sequence.sequence_id for choice in group.choices]
         return self._finish(sequence_ids, RequestStatus.FINISHED_ABORTED, None)
 
     def fail(self, errors: dict[str, Exception]) -> list[RequestDelta]:
@@ -187,7 +185,7 @@ class OutputProcessor:
         error: str | None = None,
     ) -> RequestDelta:
         sequence, group = choice.sequence, choice.group
-        del self._choices[sequence.request_id]
+        del self._choices[sequence.sequence_id]
         group.num_finished += 1
         timings = None
         if group.num_finished == len(group.choices):  # the request's last choice

@@ -19,7 +19,7 @@ from pagedserve.engine.outputs import TokenLogprob
 class SamplingRow:
     """What the sampler needs to know about one request this step."""
 
-    request_id: str
+    sequence_id: str
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -63,10 +63,10 @@ class SampledBatch:
         batch = cls()
         for row, result in zip(rows, results, strict=True):
             if isinstance(result, Exception):
-                batch.errors[row.request_id] = result
+                batch.errors[row.sequence_id] = result
             else:
-                batch.token_ids[row.request_id] = result.token_id
-                batch.logprobs[row.request_id] = result.logprob
+                batch.token_ids[row.sequence_id] = result.token_id
+                batch.logprobs[row.sequence_id] = result.logprob
         return batch
 
 

@@ -11,7 +11,7 @@ from pagedserve.scheduler.request import RequestStatus
 class ScheduledRequest:
     """One request's share of a step: run `token_ids` at positions start_position + 0.."""
 
-    request_id: str
+    sequence_id: str
     token_ids: list[int]  # prefill chunk, or the last sampled token for a decode
     start_position: int  # == num_computed_tokens before this step
     slot_mapping: list[int]  # KV slot of each new token (from the request's BlockTable)
@@ -49,6 +49,6 @@ class ModelRunnerOutput:
 class RequestUpdate:
     """What one step did to one request: the token it gained and whether it finished."""
 
-    request_id: str
+    sequence_id: str
     new_token_ids: list[int]
     status: RequestStatus

@@ -1,4 +1,8 @@
-"""`Request`: one sequence being served (prompt, generated tokens, progress, status)."""
+"""`Request`: one sequence being served (prompt, generated tokens, progress, status).
+
+A sequence is one choice of one user request; it is keyed by its `sequence_id`
+("<request id>#<choice index>", see the README's "Ids" section), never by the user's request id.
+"""
 
 from __future__ import annotations
 
@@ -37,19 +41,19 @@ _FINISH_REASONS = {
 
 @dataclass(slots=True, eq=False)  # eq=False: identity semantics, hashable
 class Request:
-    """One sequence. Its block table lives in the BlockManager, keyed by `request_id`.
+    """One sequence. Its block table lives in the BlockManager, keyed by `sequence_id`.
 
     `num_computed_tokens` counts tokens whose K/V are in the cache; it only ever advances for
     work the model actually did (scheduler.update_from_output), and drops to 0 on preemption.
     """
 
-    request_id: str
+    sequence_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower is served first (vLLM's convention)
-    parent_request_id: str | None = None  # n > 1: this choice forks from the parent's prompt
+    parent_sequence_id: str | None = None  # n > 1: this choice forks from the parent's prompt
     cache_salt: str | None = None  # extra prefix-cache key: only equal salts share blocks
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)

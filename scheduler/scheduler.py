@@ -92,12 +92,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises AdmissionError (nothing queued) if it can never fit."""
         self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
-        if request.request_id in self.requests:
+        if request.sequence_id in self.requests:
             raise AdmissionError(
-                f"request id {request.request_id!r} is already in use", "request_id"
+                f"request id {request.sequence_id!r} is already in use", "request_id"
             )
-        self.requests[request.request_id] = request
-        if request.parent_request_id is not None:
+        self.requests[request.sequence_id] = request
+        if request.parent_sequence_id is not None:
             self.fork_waiting.append(request)
         elif self.config.scheduling_policy == "priority":
             keys = [self._order_key(r) for r in self.waiting]
@@ -115,9 +115,9 @@ class Scheduler:
             return (request.priority, request.arrival_time)
         return (0, request.arrival_time)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+    def finish_request(self, sequence_id: str, status: RequestStatus) -> Request | None:
         """End a request from any state (abort, stop string, error); frees its blocks at once."""
-        request = self.requests.pop(request_id, None)
+        request = self.requests.pop(sequence_id, None)
         if request is None:
             return None
         for queue in (self.running, self.fork_waiting):
@@ -126,7 +126,7 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.block_manager.free(request_id)
+        self.block_manager.free(sequence_id)
         return request
 
     def stop_on_string(self, request: Request) -> None:
@@ -136,12 +136,12 @@ class Scheduler:
         already finished by length ends as stopped all the same: the stop string ended its text.
         """
         if not request.is_finished:
-            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            self.finish_request(request.sequence_id, RequestStatus.FINISHED_STOPPED)
         elif request.status == RequestStatus.FINISHED_LENGTH:
             request.status = RequestStatus.FINISHED_STOPPED
 
-    def abort_request(self, request_id: str) -> Request | None:
-        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+    def abort_request(self, sequence_id: str) -> Request | None:
+        return self.finish_request(sequence_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -205,12 +205,12 @@ class Scheduler:
     ) -> bool:
         """Grow `request`'s table for this step, preempting others until it fits (or itself)."""
         while not self.block_manager.allocate_slots(
-            request.request_id, num_new_tokens, request.num_computed_tokens
+            request.sequence_id, num_new_tokens, request.num_computed_tokens
         ):
             # Victims come from the not-yet-scheduled tail of `running` (sorted, most important first).
             victim = self.running[-1]
             self._preempt(victim)
-            preempted.append(victim.request_id)
+            preempted.append(victim.sequence_id)
             if victim is request:
                 return False
         return True
@@ -218,7 +218,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute-mode preemption: drop the K/V, keep the tokens, wait at the queue's front."""
         self.running.remove(request)
-        self.block_manager.free(request.request_id)
+        self.block_manager.free(request.sequence_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -230,11 +230,11 @@ class Scheduler:
         """Move the head of `waiting` to `running` if its first chunk gets blocks now."""
         block_manager = self.block_manager
         num_cached = block_manager.allocate_cached_prefix(
-            request.request_id, request.all_token_ids, request.cache_salt
+            request.sequence_id, request.all_token_ids, request.cache_salt
         )
         num_new_tokens = min(request.num_tokens - num_cached, token_budget)
-        if not block_manager.allocate_slots(request.request_id, num_new_tokens, num_cached):
-            block_manager.free(request.request_id)  # give back the prefix hits: nothing changed
+        if not block_manager.allocate_slots(request.sequence_id, num_new_tokens, num_cached):
+            block_manager.free(request.sequence_id)  # give back the prefix hits: nothing changed
             return False
         self.waiting.popleft()
         request.num_computed_tokens = num_cached
@@ -261,7 +261,7 @@ class Scheduler:
     def _fork_ready_children(self) -> None:
         """Children whose parent has computed its prompt share its blocks; orphans wait normally."""
         for child in list(self.fork_waiting):
-            parent = self.requests.get(child.parent_request_id or "")
+            parent = self.requests.get(child.parent_sequence_id or "")
             if parent is not None and parent.status == RequestStatus.WAITING:
                 continue  # the parent has not started its prompt yet
             if parent is not None and parent.status == RequestStatus.RUNNING:
@@ -270,7 +270,7 @@ class Scheduler:
                 if len(self.running) >= self.config.max_num_seqs:
                     continue
                 self.block_manager.fork(
-                    parent.request_id, child.request_id, child.num_prompt_tokens
+                    parent.sequence_id, child.sequence_id, child.num_prompt_tokens
                 )
                 # Recompute the last prompt token: it yields this choice's own first logits, and its
                 # write into the shared block is what copy-on-write splits.
@@ -282,16 +282,16 @@ class Scheduler:
                 self._insert_running(child)
             else:  # parent preempted or gone: serve this choice on its own (the prefix cache helps)
                 self.fork_waiting.remove(child)
-                child.parent_request_id = None
+                child.parent_sequence_id = None
                 # In serve order like any request (it keeps its parent's arrival and priority).
                 self._insert_waiting_ahead(child)
 
     def _plan(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new_tokens
-        table = self.block_manager.get_table(request.request_id)
+        table = self.block_manager.get_table(request.sequence_id)
         return ScheduledRequest(
-            request_id=request.request_id,
+            sequence_id=request.sequence_id,
             token_ids=request.all_token_ids[start:end],
             start_position=start,
             slot_mapping=table.slot_mapping(start, end),
@@ -308,26 +308,26 @@ class Scheduler:
         updates = []
         now = time.monotonic()
         for scheduled in plan.requests:
-            request = self.requests.get(scheduled.request_id)
+            request = self.requests.get(scheduled.sequence_id)
             if request is None:  # finished (aborted) since it was scheduled
                 continue
             request.num_computed_tokens += scheduled.num_new_tokens
             self.block_manager.cache_computed_blocks(
-                request.request_id,
+                request.sequence_id,
                 request.all_token_ids,
                 request.num_computed_tokens,
                 request.cache_salt,
             )
             if not scheduled.needs_sample:
                 continue
-            token_id = result.sampled_token_ids[request.request_id]
+            token_id = result.sampled_token_ids[request.sequence_id]
             request.append_output_token(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
             status = self._check_stop(request, token_id)
             if status is not None:
-                self.finish_request(request.request_id, status)
-            updates.append(RequestUpdate(request.request_id, [token_id], request.status))
+                self.finish_request(request.sequence_id, status)
+            updates.append(RequestUpdate(request.sequence_id, [token_id], request.status))
         return updates
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -37,8 +37,9 @@ class EngineInput:
     priority: int = 0
 
 
-def engine_request_id(request_id: str, prompt_idx: int) -> str:
-    return f"{request_id}-{prompt_idx}"
+def engine_request_id(http_request_id: str, prompt_idx: int) -> str:
+    """Each prompt of one HTTP request is its own engine request (README: "Ids")."""
+    return f"{http_request_id}-{prompt_idx}"
 
 
 async def _recorded(stream: AsyncIterator[Item], recorder: RequestRecorder) -> AsyncIterator[Item]:

@@ -85,7 +85,7 @@ def make_prompt(seed: str | int, num_tokens: int) -> list[int]:
 
 
 def make_request(
-    request_id: str,
+    sequence_id: str,
     num_prompt_tokens: int = 8,
     *,
     prompt_token_ids: list[int] | None = None,
@@ -93,22 +93,22 @@ def make_request(
     ignore_eos: bool = False,
     arrival_time: float | None = None,
     priority: int = 0,
-    parent_request_id: str | None = None,
+    parent_sequence_id: str | None = None,
     cache_salt: str | None = None,
     **sampling: object,
 ) -> Request:
-    """A request with a prompt derived from its id (distinct ids share no prefix by accident)."""
+    """A sequence with a prompt derived from its id (distinct ids share no prefix by accident)."""
     if prompt_token_ids is None:
-        prompt_token_ids = make_prompt(request_id, num_prompt_tokens)
+        prompt_token_ids = make_prompt(sequence_id, num_prompt_tokens)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **sampling)
     return Request(
-        request_id,
+        sequence_id,
         list(prompt_token_ids),
         params,
         eos_token_id=EOS_TOKEN_ID,
         arrival_time=next(_arrival_clock) if arrival_time is None else arrival_time,
         priority=priority,
-        parent_request_id=parent_request_id,
+        parent_sequence_id=parent_sequence_id,
         cache_salt=cache_salt,
     )
 
@@ -172,18 +172,21 @@ class FakeModelRunner:
         # so a write that lands in another request's history in the same step is caught too.
         sampled = {}
         for scheduled in plan.requests:
-            start, request = scheduled.start_position, self.scheduler.requests[scheduled.request_id]
+            start, request = (
+                scheduled.start_position,
+                self.scheduler.requests[scheduled.sequence_id],
+            )
             digests = prefix_digests(request.all_token_ids[: scheduled.seq_len])
             for index, slot in enumerate(scheduled.slot_mapping):
                 self.kv[slot] = (start + index, digests[start + index])
         for scheduled in plan.requests:
-            request = self.scheduler.requests[scheduled.request_id]
+            request = self.scheduler.requests[scheduled.sequence_id]
             history = self.read_digests(scheduled.block_ids, scheduled.seq_len)
             assert history == prefix_digests(request.all_token_ids[: scheduled.seq_len]), (
-                f"{request.request_id} reads K/V of another prefix"
+                f"{request.sequence_id} reads K/V of another prefix"
             )
             if scheduled.needs_sample:
-                sampled[scheduled.request_id] = _sample(
+                sampled[scheduled.sequence_id] = _sample(
                     history[-1], request.sampling_params.seed or 0
                 )
         sampled.update(forced or {})
@@ -210,11 +213,11 @@ def check_plan(scheduler: Scheduler, plan: SchedulerOutput, before: dict) -> Non
     assert (
         len(plan.requests) <= config.max_num_seqs and scheduler.num_running <= config.max_num_seqs
     )
-    assert len({s.request_id for s in plan.requests}) == len(plan.requests)
+    assert len({s.sequence_id for s in plan.requests}) == len(plan.requests)
     written: set[int] = set()
     for scheduled in plan.requests:
-        request = scheduler.requests[scheduled.request_id]
-        table = block_manager.get_table(request.request_id)
+        request = scheduler.requests[scheduled.sequence_id]
+        table = block_manager.get_table(request.sequence_id)
         start, end = scheduled.start_position, scheduled.seq_len
         assert request.status == RequestStatus.RUNNING and scheduled.num_new_tokens >= 1
         assert start == request.num_computed_tokens, "reserving is not computing"
@@ -226,16 +229,16 @@ def check_plan(scheduler: Scheduler, plan: SchedulerOutput, before: dict) -> Non
         assert scheduled.needs_sample == (end == request.num_tokens)
         for block_id in {slot // size for slot in scheduled.slot_mapping}:
             assert blocks[block_id].ref_count == 1, (
-                f"{request.request_id} writes shared block {block_id}"
+                f"{request.sequence_id} writes shared block {block_id}"
             )
         assert written.isdisjoint(scheduled.slot_mapping), "two requests write one slot"
         written.update(scheduled.slot_mapping)
         if (
-            before.get(request.request_id, (0, None))[1] is not None
-            and request.parent_request_id is None
+            before.get(request.sequence_id, (0, None))[1] is not None
+            and request.parent_sequence_id is None
         ):
             assert len(table) == ceil_div(end, size), "a table grows by exactly what the step needs"
-    scheduled_ids = {s.request_id for s in plan.requests}
+    scheduled_ids = {s.sequence_id for s in plan.requests}
     for request_id in plan.preempted_request_ids:
         request = scheduler.requests[request_id]
         assert request_id not in scheduled_ids and request in scheduler.waiting
@@ -244,7 +247,7 @@ def check_plan(scheduler: Scheduler, plan: SchedulerOutput, before: dict) -> Non
         if request_id in scheduled_ids or request_id in plan.preempted_request_ids:
             continue
         request = scheduler.requests[request_id]
-        if block_ids is None and request.parent_request_id is not None:
+        if block_ids is None and request.parent_sequence_id is not None:
             continue  # forked this step: shares its parent's table, prompt less one token computed
         assert request.num_computed_tokens == num_computed, f"{request_id} advanced without running"
         assert block_manager.block_ids(request_id) == (block_ids or []), f"{request_id} table moved"
@@ -256,15 +259,15 @@ def check_state(scheduler: Scheduler) -> None:
     block_manager.check_invariants()
     queues = [*scheduler.waiting, *scheduler.running, *scheduler.fork_waiting]
     assert len(queues) == len(set(queues)) == len(scheduler.requests)
-    assert {r.request_id for r in queues} == set(scheduler.requests)
+    assert {r.sequence_id for r in queues} == set(scheduler.requests)
     assert set(block_manager.tables) <= set(scheduler.requests)
     for request in scheduler.running:
-        table = block_manager.get_table(request.request_id)
+        table = block_manager.get_table(request.sequence_id)
         assert request.status == RequestStatus.RUNNING
         assert request.num_computed_tokens <= min(table.num_slots, request.num_tokens)
     for request in [*scheduler.waiting, *scheduler.fork_waiting]:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert request.num_computed_tokens == 0 and request.request_id not in block_manager.tables
+        assert request.num_computed_tokens == 0 and request.sequence_id not in block_manager.tables
 
 
 @dataclass

@@ -90,7 +90,7 @@ def test_a_priority_reaches_the_scheduler_only_under_the_priority_policy(tiny_lo
         stream = engine.generate(PROMPT, SamplingParams(max_tokens=20, ignore_eos=True), "p", -3)
         try:
             await anext(stream)
-            return engine.engine.scheduler.requests["p"].priority
+            return engine.engine.scheduler.requests["p#0"].priority
         finally:
             await stream.aclose()
             await engine.shutdown()

@@ -55,7 +55,7 @@ def test_slot_mapping_equals_the_block_tables_slot_mapping(tiny_loaded):
         plan, batch = batches[-1]
         expected = []
         for scheduled in plan.requests:
-            table = engine.block_manager.tables.get(scheduled.request_id)
+            table = engine.block_manager.tables.get(scheduled.sequence_id)
             if table is not None:  # still running: its table is the one the step wrote through
                 assert scheduled.block_ids == table.block_ids
             expected += scheduled.slot_mapping
@@ -101,9 +101,11 @@ def test_logits_are_computed_only_for_sampled_positions_and_equal_the_full_forwa
     finally:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     step = next(
-        i for i, (plan, _) in enumerate(batches) if any(s.request_id == "b" for s in plan.requests)
+        i
+        for i, (plan, _) in enumerate(batches)
+        if any(s.sequence_id == "b#0" for s in plan.requests)
     )
-    row = [s.request_id for s in batches[step][0].requests if s.needs_sample].index("b")
+    row = [s.sequence_id for s in batches[step][0].requests if s.needs_sample].index("b#0")
     torch.testing.assert_close(logits_seen[step][row], full, rtol=1e-4, atol=1e-4)
 
 

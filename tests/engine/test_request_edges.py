@@ -20,22 +20,25 @@ def tiny_loaded(default_tokenizer):
     return make_tiny_model("llama-gqa", default_tokenizer, seed=1)
 
 
-@pytest.mark.parametrize(
-    ("first", "second"),
-    [
-        (("a#1", 1), ("a", 2)),  # a choice id of the second equals the first's request id
-        (("a", 2), ("a#1", 1)),  # the second's request id equals a choice id of the first
-    ],
-)
-def test_a_request_whose_choice_ids_collide_is_refused_and_queues_nothing(
+def test_a_request_id_in_use_is_refused_and_queues_nothing(tiny_loaded):
+    engine = make_engine(tiny_loaded, block_size=4)
+    engine.add_request("a", PROMPT, greedy_params(4, n=2))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("a", PROMPT, greedy_params(4))
+    run = run_to_completion(engine)  # also checks that every block is free at the end
+    assert set(run.finish_reasons) == {"a", ("a", 1)}
+
+
+@pytest.mark.parametrize(("first", "second"), [(("a#1", 1), ("a", 2)), (("a", 2), ("a#1", 1))])
+def test_a_request_id_that_looks_like_another_s_sequence_id_is_served_on_its_own(
     tiny_loaded, first, second
 ):
+    # Sequence ids are "<request id>#<index>" for every choice: distinct requests never share one.
     engine = make_engine(tiny_loaded, block_size=4)
     engine.add_request(first[0], PROMPT, greedy_params(4, n=first[1]))
-    with pytest.raises(InvalidRequestError, match="already in use"):
-        engine.add_request(second[0], PROMPT, greedy_params(4, n=second[1]))
-    run = run_to_completion(engine)  # also checks that every block is free at the end
-    assert set(run.finish_reasons) == {first[0]} | {(first[0], i) for i in range(1, first[1])}
+    engine.add_request(second[0], PROMPT, greedy_params(4, n=second[1]))
+    run = run_to_completion(engine)
+    assert set(run.finish_reasons) == {"a", ("a", 1), "a#1"}
 
 
 def test_a_stop_string_completed_by_the_last_allowed_token_finishes_as_stop(tiny_loaded):

@@ -105,7 +105,7 @@ def test_token_budget_caps_each_step_and_the_overflow_becomes_a_chunk():
         scheduler.add_request(make_request(request_id, 6, max_tokens=3))
     runner, log = FakeModelRunner(scheduler), RunLog()
     plan = step(scheduler, runner, log)
-    assert [(s.request_id, s.num_new_tokens, s.needs_sample) for s in plan.requests] == [
+    assert [(s.sequence_id, s.num_new_tokens, s.needs_sample) for s in plan.requests] == [
         ("a", 6, True),
         ("b", 4, False),
     ]
@@ -119,7 +119,7 @@ def test_max_num_seqs_caps_the_running_requests():
     for index in range(4):
         scheduler.add_request(make_request(f"r{index}", 5, max_tokens=3))
     plan = scheduler.schedule()
-    assert [s.request_id for s in plan.requests] == ["r0", "r1"]
+    assert [s.sequence_id for s in plan.requests] == ["r0", "r1"]
     assert scheduler.num_running == 2 and scheduler.num_waiting == 2
     runner = FakeModelRunner(scheduler)
     scheduler.update_from_output(plan, runner.execute(plan))
@@ -141,7 +141,7 @@ def test_failed_admission_changes_no_table_count_or_reference():
     scheduler.add_request(late)
     free_before, refs_before = scheduler.block_manager.num_free_blocks, ref_counts(scheduler)
     plan = step(scheduler, runner)
-    assert [s.request_id for s in plan.requests] == ["holder"] and not plan.preempted_request_ids
+    assert [s.sequence_id for s in plan.requests] == ["holder"] and not plan.preempted_request_ids
     assert late.num_computed_tokens == 0 and "late" not in scheduler.block_manager.tables
     assert list(scheduler.waiting) == [late] and late.status == RequestStatus.WAITING
     assert (
@@ -167,7 +167,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_other_requests_keep_decoding()
     chunks = []
     while long_prompt.num_computed_tokens < long_prompt.num_prompt_tokens:
         plan = step(scheduler, runner, log)
-        by_id = {s.request_id: s for s in plan.requests}
+        by_id = {s.sequence_id: s for s in plan.requests}
         assert [(by_id[d].num_new_tokens, by_id[d].needs_sample) for d in ("d1", "d2")] == [
             (1, True)
         ] * 2
@@ -204,8 +204,8 @@ def test_a_prompt_sorted_ahead_of_running_decodes_leaves_each_of_them_a_token():
     scheduler.add_request(important)
     chunks = []
     while important.num_computed_tokens < important.num_prompt_tokens:
-        by_id = {s.request_id: s.num_new_tokens for s in step(scheduler, runner).requests}
-        assert [by_id.get(d.request_id) for d in decodes] == [1] * 4, by_id
+        by_id = {s.sequence_id: s.num_new_tokens for s in step(scheduler, runner).requests}
+        assert [by_id.get(d.sequence_id) for d in decodes] == [1] * 4, by_id
         chunks.append(by_id["important"])
     assert chunks == [12] * 10  # 120 prompt tokens, 16 - 4 per step
     run_to_completion(scheduler, runner)
@@ -223,7 +223,7 @@ def test_scheduler_preempts_the_latest_arrived_request_when_out_of_blocks():
     step(scheduler, runner)  # both prefilled: all 4 blocks in use
     victim_blocks = list(scheduler.block_manager.block_ids("b"))
     plan = step(scheduler, runner)  # both need a 3rd block for position 8
-    assert plan.preempted_request_ids == ["b"] and [s.request_id for s in plan.requests] == ["a"]
+    assert plan.preempted_request_ids == ["b"] and [s.sequence_id for s in plan.requests] == ["a"]
     assert second.status == RequestStatus.PREEMPTED and second.num_computed_tokens == 0
     assert "b" not in scheduler.block_manager.tables and scheduler.waiting[0] is second
     assert len(second.output_token_ids) == 1  # generated tokens are kept
@@ -231,7 +231,7 @@ def test_scheduler_preempts_the_latest_arrived_request_when_out_of_blocks():
     assert plan.requests[0].block_ids[2] in victim_blocks
     log = run_to_completion(scheduler, runner)
     assert all(
-        log.finished[r.request_id].output_token_ids == expected_output_token_ids(r)
+        log.finished[r.sequence_id].output_token_ids == expected_output_token_ids(r)
         for r in (first, second)
     )
 
@@ -243,7 +243,7 @@ def test_under_fcfs_a_preempted_request_waits_ahead_of_later_arrivals():
         scheduler.add_request(make_request(request_id, 8, max_tokens=8, ignore_eos=True))
     step(scheduler, runner)
     assert step(scheduler, runner).preempted_request_ids == ["b"]
-    assert [request.request_id for request in scheduler.waiting] == ["b", "c"]
+    assert [request.sequence_id for request in scheduler.waiting] == ["b", "c"]
 
 
 def test_a_readmitted_request_is_not_counted_again_in_the_prefix_cache_statistics():
@@ -261,12 +261,12 @@ def test_priority_policy_preempts_the_lowest_priority_even_when_it_arrived_first
     runner = FakeModelRunner(scheduler)
     scheduler.add_request(make_request("low", 8, max_tokens=8, priority=1))
     scheduler.add_request(make_request("high", 8, max_tokens=8, priority=0))
-    assert [s.request_id for s in step(scheduler, runner).requests] == ["high", "low"]
+    assert [s.sequence_id for s in step(scheduler, runner).requests] == ["high", "low"]
     plan = step(scheduler, runner)
-    assert plan.preempted_request_ids == ["low"] and [s.request_id for s in plan.requests] == [
+    assert plan.preempted_request_ids == ["low"] and [s.sequence_id for s in plan.requests] == [
         "high"
     ]
-    assert scheduler.waiting[0].request_id == "low"
+    assert scheduler.waiting[0].sequence_id == "low"
     run_to_completion(scheduler, runner)
 
 
@@ -275,7 +275,7 @@ def test_priority_policy_admits_waiting_requests_by_priority_then_arrival():
     for request_id, priority in [("a", 2), ("b", 0), ("c", 1), ("d", 0)]:
         scheduler.add_request(make_request(request_id, 4, max_tokens=1, priority=priority))
     log = run_to_completion(scheduler)
-    assert [plan.requests[0].request_id for plan in log.plans] == ["b", "d", "c", "a"]
+    assert [plan.requests[0].sequence_id for plan in log.plans] == ["b", "d", "c", "a"]
 
 
 def test_failing_request_that_is_the_only_candidate_preempts_itself_and_waits():
@@ -287,7 +287,7 @@ def test_failing_request_that_is_the_only_candidate_preempts_itself_and_waits():
     scheduler.add_request(newer)
     step(scheduler, runner)
     plan = step(scheduler, runner)
-    assert [s.request_id for s in plan.requests] == ["a"] and plan.preempted_request_ids == ["b"]
+    assert [s.sequence_id for s in plan.requests] == ["a"] and plan.preempted_request_ids == ["b"]
     assert scheduler.waiting[0] is newer and newer.status == RequestStatus.PREEMPTED
     assert older.num_computed_tokens == 8 and scheduler.num_preemptions == 1
     log = run_to_completion(scheduler, runner)
@@ -304,11 +304,11 @@ def test_preempted_request_recomputes_its_prompt_and_generated_tokens_when_readm
     assert step(scheduler, runner, log).preempted_request_ids == ["b"]
     tokens_at_preemption = list(victim.all_token_ids)
     for _ in range(50):
-        if any(s.request_id == "b" for s in step(scheduler, runner, log).requests):
+        if any(s.sequence_id == "b" for s in step(scheduler, runner, log).requests):
             break
     else:
         pytest.fail("the preempted request was never readmitted")
-    resumed = next(s for s in log.plans[-1].requests if s.request_id == "b")
+    resumed = next(s for s in log.plans[-1].requests if s.sequence_id == "b")
     assert resumed.start_position == 0 and resumed.token_ids == tokens_at_preemption
     log = run_to_completion(scheduler, runner)
     assert log.finished["b"].output_token_ids == expected_output_token_ids(victim)
@@ -329,4 +329,4 @@ def test_priority_policy_admits_a_waiting_higher_priority_request_before_a_preem
     # 2 blocks are free now: enough for high2's prompt, not for low's 13 tokens. Yet low sits at
     # the head of `waiting` and blocks high2 until high1 finishes.
     plan = step(scheduler, runner)
-    assert "high2" in [s.request_id for s in plan.requests]
+    assert "high2" in [s.sequence_id for s in plan.requests]

@@ -135,7 +135,7 @@ def test_abort_of_a_fork_waiting_child_removes_it():
     parent = make_request("p", 6)
     scheduler.add_request(parent)
     scheduler.add_request(
-        make_request("c", prompt_token_ids=parent.prompt_token_ids, parent_request_id="p")
+        make_request("c", prompt_token_ids=parent.prompt_token_ids, parent_sequence_id="p")
     )
     assert scheduler.num_waiting == 2
     scheduler.abort_request("c")

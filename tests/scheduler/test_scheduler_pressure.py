@@ -94,7 +94,7 @@ def test_highest_priority_request_is_never_starved_under_the_priority_policy():
     assert all(r.output_token_ids == expected_output_token_ids(r) for r in requests)
     first = min(requests, key=lambda r: (r.priority, r.arrival_time))
     assert first.num_preemptions == 0
-    assert log.finish_step[first.request_id] <= first.num_output_tokens + 1
+    assert log.finish_step[first.sequence_id] <= first.num_output_tokens + 1
 
 
 def test_oldest_request_finishes_in_bounded_steps_while_new_requests_keep_arriving():
@@ -133,7 +133,7 @@ def test_forked_choices_under_pressure_all_finish_with_their_own_outputs():
                     prompt_token_ids=parent.prompt_token_ids,
                     max_tokens=20,
                     ignore_eos=True,
-                    parent_request_id=parent.request_id,
+                    parent_sequence_id=parent.sequence_id,
                     seed=choice,
                 )
             )
@@ -195,7 +195,7 @@ def test_random_workloads_keep_every_invariant_and_leak_no_block(workload):
                     priority=priority,
                     prompt_token_ids=parent.prompt_token_ids if parent else None,
                     seed=index,
-                    parent_request_id=parent.request_id if parent else None,
+                    parent_sequence_id=parent.sequence_id if parent else None,
                 )
                 if (
                     parent is not None
@@ -216,5 +216,5 @@ def test_random_workloads_keep_every_invariant_and_leak_no_block(workload):
     check_all_free(scheduler)
     for request in requests:
         assert request.is_finished
-        if request.request_id not in aborted:
+        if request.sequence_id not in aborted:
             assert request.output_token_ids == expected_output_token_ids(request)

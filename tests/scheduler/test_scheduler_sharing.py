@@ -28,7 +28,7 @@ def add_parent_and_child(scheduler, num_prompt_tokens, max_tokens=6):
     child = make_request(
         "p#1",
         prompt_token_ids=parent.prompt_token_ids,
-        parent_request_id="p",
+        parent_sequence_id="p",
         max_tokens=max_tokens,
         ignore_eos=True,
         seed=1,
@@ -60,7 +60,7 @@ def test_fork_child_waits_for_the_parent_prompt_then_shares_its_blocks_with_copy
     last = len(prompt_blocks) - 1
     assert {tables["p"].block_ids[last], tables["p#1"].block_ids[last]} == {source, destination}
     assert tables["p"].block_ids[:last] == tables["p#1"].block_ids[:last] == prompt_blocks[:last]
-    (scheduled,) = [s for s in plan.requests if s.request_id == "p#1"]
+    (scheduled,) = [s for s in plan.requests if s.sequence_id == "p#1"]
     assert scheduled.start_position == num_prompt_tokens - 1 and scheduled.needs_sample
     assert child.num_cached_tokens == num_prompt_tokens - 1
     scheduler.update_from_output(plan, runner.execute(plan))
@@ -96,7 +96,7 @@ def test_an_orphaned_child_waits_in_priority_order_behind_a_more_important_reque
         make_request(
             "low#1",
             prompt_token_ids=low.prompt_token_ids,
-            parent_request_id="low",
+            parent_sequence_id="low",
             max_tokens=1,
             priority=9,
             ignore_eos=True,
@@ -106,7 +106,7 @@ def test_an_orphaned_child_waits_in_priority_order_behind_a_more_important_reque
     assert low.status == RequestStatus.FINISHED_LENGTH
     scheduler.add_request(make_request("high", 12, max_tokens=2, priority=0, ignore_eos=True))
     step(scheduler, runner)
-    assert [request.request_id for request in scheduler.waiting] == ["low#1"]
+    assert [request.sequence_id for request in scheduler.waiting] == ["low#1"]
     assert scheduler.requests["high"].status == RequestStatus.RUNNING
     run_to_completion(scheduler, runner)
 
@@ -124,7 +124,7 @@ def test_child_forked_after_the_parent_decoded_past_a_block_never_poisons_the_pr
     child = make_request(
         "p#1",
         prompt_token_ids=parent.prompt_token_ids,
-        parent_request_id="p",
+        parent_sequence_id="p",
         max_tokens=20,
         ignore_eos=True,
         seed=1,
@@ -170,7 +170,7 @@ def test_second_request_with_the_same_prompt_reuses_the_cached_prefix():
     )
     scheduler.add_request(second)
     plan = step(scheduler, runner)
-    (scheduled,) = [s for s in plan.requests if s.request_id == "b"]
+    (scheduled,) = [s for s in plan.requests if s.sequence_id == "b"]
     assert second.num_cached_tokens == 16
     assert scheduled.start_position == 16 and scheduled.num_new_tokens == 1
     assert scheduled.block_ids[:4] == scheduler.block_manager.block_ids("a")[:4]
