@@ -16,12 +16,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagedserve.configs import EngineConfig, SamplingParams, SamplingParamsError
+from pagedserve.configs import EngineConfig, SamplingParams
 from pagedserve.engine.errors import (
     EngineDeadError,
     EngineError,
     EngineOverloadedError,
-    InvalidRequestError,
     RequestFailedError,
 )
 from pagedserve.engine.llm_engine import LLMEngine
@@ -111,20 +110,18 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestDelta]:
         if not self.is_alive or self._stopping.is_set():
             raise EngineDeadError(self._dead_reason or "the engine is not running")
-        self._engine.validate_request(prompt_token_ids, params)  # raises before anything is queued
-        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
-            raise InvalidRequestError(
-                "priority needs the server's --scheduling-policy priority", "priority"
-            )
+        # Every check, once, here: raises before anything is queued, and the engine thread only
+        # queues what passed.
+        validated = self._engine.validate_request(
+            request_id, prompt_token_ids, params, time.monotonic(), priority
+        )
         if len(self._streams) >= self.max_waiting_requests:
             raise EngineOverloadedError(f"{len(self._streams)} requests are in flight; retry later")
         if request_id in self._streams or request_id in self._closing:
             raise EngineOverloadedError(f"request id {request_id!r} is already in flight")
         stream: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(
-            ("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority))
-        )
+        self._commands.put(("add", validated))
         num_finished = 0
         try:
             while num_finished < params.n:
@@ -186,22 +183,15 @@ class AsyncEngine:
     def _apply(self, command: str, payload: Any) -> list[RequestDelta]:
         engine = self._engine
         if command == "add":
-            request_id, prompt_token_ids, params, arrival_time, priority = payload
             try:
-                engine.add_request(
-                    request_id,
-                    prompt_token_ids,
-                    params,
-                    arrival_time=arrival_time,
-                    priority=priority,
-                )
-            except (EngineError, SamplingParamsError) as error:  # the request's own fault: as is
-                self._send_error(request_id, error)
+                engine.add_validated_request(payload)
+            except EngineError as error:  # the request's own fault (its id is in use): as is
+                self._send_error(payload.request_id, error)
             except Exception as error:  # noqa: BLE001 - a bug, reported to that request only
-                logger.exception("request %s: add_request failed", request_id)
+                logger.exception("request %s: add_request failed", payload.request_id)
                 # The type only: the message may hold internals; the log has the traceback.
                 self._send_error(
-                    request_id,
+                    payload.request_id,
                     RequestFailedError(
                         f"The engine could not accept the request ({type(error).__name__}); see the "
                         "server log."

@@ -7,7 +7,6 @@ prompt, the others fork its blocks (see the scheduler) and are reported under th
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -18,7 +17,7 @@ from pagedserve.cache.attention import get_attention_backend
 from pagedserve.cache.block_manager import BlockManager
 from pagedserve.cache.cache_engine import CacheEngine
 from pagedserve.configs import EngineConfig, SamplingParams
-from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.inputs import RequestValidator, ValidatedRequest
 from pagedserve.engine.memory import kv_cache_num_blocks, make_cache_spec, resolve_device
 from pagedserve.engine.model_loader import LoadedModel, load_model
 from pagedserve.engine.model_runner import ModelRunner
@@ -26,7 +25,6 @@ from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats, RequestDelta
 from pagedserve.engine.sampler import SampledBatch, Sampler
 from pagedserve.scheduler import (
-    AdmissionError,
     ModelRunnerOutput,
     Request,
     Scheduler,
@@ -63,38 +61,29 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.cache_engine, backend)
         self.sampler = Sampler(config.model.seed, device)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, device)
+        self.validator = RequestValidator(
+            self.vocab_size,
+            self.max_model_len,
+            tuple(self.eos_token_ids),
+            config.scheduler.scheduling_policy == "priority",
+            self.scheduler.check_admissible,
+        )
         self.num_steps = 0
         self.step_token_counts: deque[int] = deque(maxlen=100_000)
 
     # ---- requests in -----------------------------------------------------------------------
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError if this request could never be served (nothing queued)."""
-        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {self.vocab_size})", "prompt"
-            )
-        if any(t >= self.vocab_size for t in params.logit_bias):
-            raise InvalidRequestError(
-                f"logit_bias token ids must be < {self.vocab_size}", "logit_bias"
-            )
-        # They index the logits (banned while min_tokens is unmet): out of range would fail a step.
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise InvalidRequestError(
-                f"stop_token_ids must be < {self.vocab_size}", "stop_token_ids"
-            )
-        num_prompt = len(prompt_token_ids)
-        if num_prompt + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{num_prompt + params.max_tokens} were requested ({num_prompt} in the prompt, "
-                f"{params.max_tokens} for the completion)",
-                "max_tokens" if num_prompt < self.max_model_len else "prompt",
-            )
-        try:
-            self.scheduler.check_admissible(num_prompt, params.max_tokens)
-        except AdmissionError as error:
-            raise InvalidRequestError(str(error), error.param) from None
+    def validate_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> ValidatedRequest:
+        """Every check, once; safe on any thread. Raises InvalidRequestError (nothing queued)."""
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        return self.validator.validate(request_id, prompt_token_ids, params, arrival_time, priority)
 
     def add_request(
         self,
@@ -105,34 +94,31 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Validate and queue; raises InvalidRequestError before queueing anything."""
-        self.validate_request(prompt_token_ids, params)
-        arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        eos, extra_stop_ids = self._eos_for(params)
-        if extra_stop_ids:
-            params = dataclasses.replace(
-                params, stop_token_ids=params.stop_token_ids + extra_stop_ids
-            )
-        sequence_ids = [sequence_id(request_id, index) for index in range(params.n)]
+        validated = self.validate_request(
+            request_id, prompt_token_ids, params, arrival_time, priority
+        )
+        self.add_validated_request(validated)
+
+    def add_validated_request(self, request: ValidatedRequest) -> None:
+        """Queue one sequence per choice. Raises InvalidRequestError (nothing queued) only if the
+        request id is in use: everything else was checked by `validate_request`."""
+        num_choices = request.params.n
+        sequence_ids = [sequence_id(request.request_id, index) for index in range(num_choices)]
         sequences = [
             Request(
                 sequence_ids[index],
-                list(prompt_token_ids),
-                params,
-                eos_token_id=eos,
-                arrival_time=arrival_time,
-                priority=priority,
+                list(request.prompt_token_ids),
+                request.params,
+                eos_token_id=request.eos_token_id,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
                 parent_sequence_id=sequence_ids[0] if index else None,
             )
-            for index in range(params.n)
+            for index in range(num_choices)
         ]
-        self.outputs.add(request_id, sequences)  # refuses a request id in use, before queueing
+        self.outputs.add(request.request_id, sequences)  # refuses an id in use, before queueing
         for sequence in sequences:
             self.scheduler.add_request(sequence)
-
-    def _eos_for(self, params: SamplingParams) -> tuple[int | None, tuple[int, ...]]:
-        if params.ignore_eos or not self.eos_token_ids:
-            return None, ()
-        return self.eos_token_ids[0], tuple(self.eos_token_ids[1:])
 
     def abort_request(self, request_id: str) -> list[RequestDelta]:
         """Finish every choice of `request_id` now, from any state; frees its blocks at once."""

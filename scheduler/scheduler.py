@@ -90,12 +90,8 @@ class Scheduler:
             )
 
     def add_request(self, request: Request) -> None:
-        """Queue a request. Raises AdmissionError (nothing queued) if it can never fit."""
-        self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
-        if request.sequence_id in self.requests:
-            raise AdmissionError(
-                f"request id {request.sequence_id!r} is already in use", "request_id"
-            )
+        """Queue a sequence. The caller has checked it (`check_admissible`, a fresh id): the
+        scheduler does not check again."""
         self.requests[request.sequence_id] = request
         if request.parent_sequence_id is not None:
             self.fork_waiting.append(request)

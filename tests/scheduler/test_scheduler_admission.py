@@ -22,42 +22,28 @@ from tests.scheduler.support import ref_counts
 # ---- admission ----------------------------------------------------------------------------------
 
 
-def test_add_request_rejects_a_prompt_that_leaves_no_room_for_output_and_queues_nothing():
+def test_check_admissible_rejects_a_prompt_that_leaves_no_room_for_output():
     scheduler = make_scheduler(max_model_len=16)
     with pytest.raises(AdmissionError) as error:
-        scheduler.add_request(make_request("a", 16))
+        scheduler.check_admissible(16, 8)
     assert error.value.param == "prompt"
-    assert not scheduler.has_unfinished_requests() and scheduler.num_waiting == 0
 
 
-def test_add_request_rejects_a_request_needing_more_blocks_than_the_whole_pool():
+def test_check_admissible_rejects_a_request_needing_more_blocks_than_the_whole_pool():
     scheduler = make_scheduler(num_blocks=4, block_size=4)  # 16 slots in all
     with pytest.raises(AdmissionError) as error:
-        scheduler.add_request(make_request("a", 12, max_tokens=8))
+        scheduler.check_admissible(12, 8)
     assert error.value.param == "max_tokens"
-    assert not scheduler.requests and scheduler.num_waiting == 0
-    assert scheduler.block_manager.num_free_blocks == 4
     # 12 + 5 tokens need exactly 16 slots (the last sampled token is never written): all 4 blocks.
+    scheduler.check_admissible(12, 5)
     scheduler.add_request(make_request("fits", 12, max_tokens=5, ignore_eos=True))
     assert run_to_completion(scheduler).finished["fits"].num_output_tokens == 5
 
 
-def test_add_request_rejects_an_empty_prompt():
-    scheduler = make_scheduler()
-    with pytest.raises(AdmissionError):
-        scheduler.add_request(make_request("a", prompt_token_ids=[]))
-    assert not scheduler.requests
-
-
-def test_add_request_rejects_a_duplicate_request_id_and_keeps_the_first():
-    scheduler = make_scheduler()
-    first = make_request("a", 6)
-    scheduler.add_request(first)
+def test_check_admissible_rejects_an_empty_prompt():
     with pytest.raises(AdmissionError) as error:
-        scheduler.add_request(make_request("a", 5))
-    assert error.value.param == "request_id"
-    assert list(scheduler.waiting) == [first] and scheduler.requests == {"a": first}
-    run_to_completion(scheduler)
+        make_scheduler().check_admissible(0, 8)
+    assert error.value.param == "prompt"
 
 
 def test_max_tokens_past_max_model_len_is_admitted_and_stops_at_the_context_limit():

@@ -1,0 +1,85 @@
+"""Requests in: every check a request must pass, run once, before anything is queued.
+
+`RequestValidator` reads only limits fixed at start (vocabulary, context length, pool size,
+scheduling policy), so `AsyncEngine` runs it on the caller's thread and the engine thread
+queues the resulting `ValidatedRequest` without checking it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pagedserve.configs import SamplingParams
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.scheduler import AdmissionError
+
+
+@dataclass(frozen=True, slots=True)
+class ValidatedRequest:
+    """A request that passed `RequestValidator.validate`: what `LLMEngine.add_validated_request`
+    queues. `params.stop_token_ids` already holds the model's extra EOS ids."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestValidator:
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]  # from the generation config; the first one is the EOS
+    allows_priority: bool  # the priority scheduling policy is on
+    check_admissible: Callable[[int, int], None]  # the scheduler's; raises AdmissionError
+
+    def validate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        priority: int = 0,
+    ) -> ValidatedRequest:
+        """Raises InvalidRequestError if this request could never be served (nothing queued)."""
+        self._check_token_ids(prompt_token_ids, params)
+        self._check_length(len(prompt_token_ids), params.max_tokens)
+        if priority != 0 and not self.allows_priority:
+            raise InvalidRequestError(
+                "priority needs the server's --scheduling-policy priority", "priority"
+            )
+        eos_token_id = None
+        if not params.ignore_eos and self.eos_token_ids:
+            eos_token_id, *extra_stop_ids = self.eos_token_ids
+            if extra_stop_ids:
+                stop_token_ids = params.stop_token_ids + tuple(extra_stop_ids)
+                params = dataclasses.replace(params, stop_token_ids=stop_token_ids)
+        prompt = list(prompt_token_ids)
+        return ValidatedRequest(request_id, prompt, params, eos_token_id, arrival_time, priority)
+
+    def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        vocab_size = self.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        if any(t >= vocab_size for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be < {vocab_size}", "logit_bias")
+        # They index the logits (banned while min_tokens is unmet): out of range would fail a step.
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be < {vocab_size}", "stop_token_ids")
+
+    def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the "
+                f"prompt, {max_tokens} for the completion)",
+                "max_tokens" if num_prompt_tokens < self.max_model_len else "prompt",
+            )
+        try:
+            self.check_admissible(num_prompt_tokens, max_tokens)
+        except AdmissionError as error:
+            raise InvalidRequestError(str(error), error.param) from None
