@@ -87,7 +87,6 @@ def make_decode_step(
         query_start_loc=torch.arange(args.batch + 1, dtype=torch.int32),
         seq_lens=torch.full((args.batch,), args.context, dtype=torch.int32),
         max_query_len=1,
-        max_seq_len=args.context,
     )
 
     # SDPA's inputs: the same K/V gathered once, outside the timed region.

@@ -68,6 +68,8 @@ class Counters:
     allocate_calls: int = 0
     failed_allocations: int = 0
     free_calls: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 def admit(
@@ -76,6 +78,9 @@ def admit(
     """Run one request's whole life up to its last token, as the scheduler would, block by block."""
     block_size = manager.block_size
     num_computed = manager.allocate_cached_prefix(request_id, prompt)
+    if manager.pool.enable_prefix_caching:
+        counters.prefix_queried_tokens += len(prompt)
+        counters.prefix_hit_tokens += num_computed
     token_ids = list(prompt)
     while num_computed < len(token_ids):
         num_new = min(block_size - num_computed % block_size, len(token_ids) - num_computed)
@@ -106,7 +111,6 @@ def run(args: argparse.Namespace, enable_prefix_caching: bool) -> dict:
         live.append(f"warm-{index}")
         admit(manager, live[-1], *workload.next_request(), counters)
     counters = Counters()
-    manager.prefix_cache_queries = manager.prefix_cache_hits = 0
     requests = [workload.next_request() for _ in range(args.steps)]
     victims = [workload.rng.randrange(args.live_requests) for _ in range(args.steps)]
     gc.collect()  # start every round from the same garbage state
@@ -133,7 +137,7 @@ def run(args: argparse.Namespace, enable_prefix_caching: bool) -> dict:
         "us_per_op": elapsed / num_operations * 1e6,
         "cpu_seconds": cpu_seconds,
         "allocate_free_ops_per_cpu_s": num_operations / cpu_seconds,
-        "prefix_hit_rate": manager.prefix_cache_hits / max(1, manager.prefix_cache_queries),
+        "prefix_hit_rate": counters.prefix_hit_tokens / max(1, counters.prefix_queried_tokens),
         "final_usage": manager.pool.usage,
     }
 

@@ -47,9 +47,6 @@ class BlockManager:
             str, list[int]
         ] = {}  # chained hashes of each table's cached blocks
         self._pending_copies: list[tuple[int, int]] = []
-        # Every lookup, retries included (the engine reports the scheduler's once-per-request counts)
-        self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # of which found cached
 
     @property
     def num_free_blocks(self) -> int:
@@ -84,7 +81,6 @@ class BlockManager:
         self.tables[sequence_id], self._block_hashes[sequence_id] = table, hashes
         if not self.pool.enable_prefix_caching:
             return 0
-        self.prefix_cache_queries += len(token_ids)
         parent = _NO_PARENT
         for idx in range((len(token_ids) - 1) // self.block_size):
             chunk = token_ids[idx * self.block_size : (idx + 1) * self.block_size]
@@ -96,9 +92,7 @@ class BlockManager:
             table.block_ids.append(block.block_id)
             hashes.append(block_hash)
             parent = block_hash
-        num_cached_tokens = len(table) * self.block_size
-        self.prefix_cache_hits += num_cached_tokens
-        return num_cached_tokens
+        return len(table) * self.block_size
 
     def allocate_slots(
         self, sequence_id: str, num_new_tokens: int, num_computed_tokens: int
@@ -118,9 +112,7 @@ class BlockManager:
         Returns:
             True on success; False when the pool is short, in which case nothing changed.
         """
-        table = self.tables.get(sequence_id)
-        if table is None:
-            table = BlockTable(self.block_size)
+        table = self.tables[sequence_id]  # started by allocate_cached_prefix (or fork)
         shared = self._shared_blocks_in_range(table, num_computed_tokens, num_new_tokens)
         num_new_blocks = table.num_blocks_needed(num_computed_tokens, num_new_tokens)
         if num_new_blocks + len(shared) > self.pool.num_free_blocks:
@@ -128,8 +120,6 @@ class BlockManager:
         for idx in shared:
             self._copy_on_write(table, idx)
         table.block_ids.extend(block.block_id for block in self.pool.allocate(num_new_blocks))
-        self.tables.setdefault(sequence_id, table)
-        self._block_hashes.setdefault(sequence_id, [])
         return True
 
     def _shared_blocks_in_range(self, table: BlockTable, start: int, num_tokens: int) -> list[int]:

@@ -152,7 +152,6 @@ class ModelRunner:
             query_start_loc=tensor(query_start_loc, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32),
             max_query_len=max(s.num_new_tokens for s in plan.requests),
-            max_seq_len=max(seq_lens),
         )
         return PreparedBatch(
             input_ids=tensor(input_ids, torch.int64).unsqueeze(0),

@@ -202,7 +202,7 @@ class OutputProcessor:
             finished=True,
             finish_reason=sequence.status.finish_reason,
             error=error,
-            num_cached_prompt_tokens=max(sequence.num_cached_tokens, 0),
+            num_cached_prompt_tokens=sequence.num_cached_tokens,
             timings=timings,
         )
 

@@ -32,7 +32,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     requests: list[ScheduledRequest]
     num_batched_tokens: int
-    preempted_request_ids: list[str]
     block_copies: list[tuple[int, int]]  # copy-on-write (src, dst), run before the forward pass
 
     @property

@@ -54,11 +54,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower is served first (vLLM's convention)
     parent_sequence_id: str | None = None  # n > 1: this choice forks from the parent's prompt
-    cache_salt: str | None = None  # extra prefix-cache key: only equal salts share blocks
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first schedule
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     first_scheduled_time: float | None = None

@@ -155,7 +155,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         token_budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        preempted: list[str] = []
+        num_preemptions_before = self.num_preemptions
         self._fork_ready_children()
 
         # Decodes not yet scheduled in this pass: a prompt chunk leaves one token for each. (A
@@ -170,7 +170,7 @@ class Scheduler:
                 decodes_left -= 1
             elif num_new_tokens > 1:
                 num_new_tokens = max(1, min(num_new_tokens, token_budget - decodes_left))
-            if self._reserve_or_preempt(request, num_new_tokens, preempted):
+            if self._reserve_or_preempt(request, num_new_tokens):
                 scheduled.append(self._plan(request, num_new_tokens))
                 token_budget -= num_new_tokens
                 index += 1
@@ -179,7 +179,7 @@ class Scheduler:
         while (
             self.waiting
             and token_budget > 0
-            and not preempted
+            and self.num_preemptions == num_preemptions_before  # no admission after preempting
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
@@ -192,13 +192,10 @@ class Scheduler:
         return SchedulerOutput(
             requests=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - token_budget,
-            preempted_request_ids=preempted,
             block_copies=self.block_manager.take_block_copies(),
         )
 
-    def _reserve_or_preempt(
-        self, request: Request, num_new_tokens: int, preempted: list[str]
-    ) -> bool:
+    def _reserve_or_preempt(self, request: Request, num_new_tokens: int) -> bool:
         """Grow `request`'s table for this step, preempting others until it fits (or itself)."""
         while not self.block_manager.allocate_slots(
             request.sequence_id, num_new_tokens, request.num_computed_tokens
@@ -206,7 +203,6 @@ class Scheduler:
             # Victims come from the not-yet-scheduled tail of `running` (sorted, most important first).
             victim = self.running[-1]
             self._preempt(victim)
-            preempted.append(victim.sequence_id)
             if victim is request:
                 return False
         return True
@@ -226,7 +222,7 @@ class Scheduler:
         """Move the head of `waiting` to `running` if its first chunk gets blocks now."""
         block_manager = self.block_manager
         num_cached = block_manager.allocate_cached_prefix(
-            request.sequence_id, request.all_token_ids, request.cache_salt
+            request.sequence_id, request.all_token_ids
         )
         num_new_tokens = min(request.num_tokens - num_cached, token_budget)
         if not block_manager.allocate_slots(request.sequence_id, num_new_tokens, num_cached):
@@ -234,12 +230,11 @@ class Scheduler:
             return False
         self.waiting.popleft()
         request.num_computed_tokens = num_cached
-        if request.num_cached_tokens < 0:  # its first admission
+        if request.first_scheduled_time is None:  # its first admission (not a readmission)
             request.num_cached_tokens = num_cached
             if block_manager.pool.enable_prefix_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_cached
-        if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         request.status = RequestStatus.RUNNING
         self._insert_running(request)
@@ -312,7 +307,6 @@ class Scheduler:
                 request.sequence_id,
                 request.all_token_ids,
                 request.num_computed_tokens,
-                request.cache_salt,
             )
             if not scheduled.needs_sample:
                 continue

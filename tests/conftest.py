@@ -94,7 +94,6 @@ def make_request(
     arrival_time: float | None = None,
     priority: int = 0,
     parent_sequence_id: str | None = None,
-    cache_salt: str | None = None,
     **sampling: object,
 ) -> Request:
     """A sequence with a prompt derived from its id (distinct ids share no prefix by accident)."""
@@ -109,7 +108,6 @@ def make_request(
         arrival_time=next(_arrival_clock) if arrival_time is None else arrival_time,
         priority=priority,
         parent_sequence_id=parent_sequence_id,
-        cache_salt=cache_salt,
     )
 
 
@@ -204,7 +202,9 @@ def _snapshot(scheduler: Scheduler) -> dict[str, tuple[int, list[int] | None]]:
     }
 
 
-def check_plan(scheduler: Scheduler, plan: SchedulerOutput, before: dict) -> None:
+def check_plan(
+    scheduler: Scheduler, plan: SchedulerOutput, before: dict, preempted: list[str]
+) -> None:
     """The plan is consistent: budgets, slots from the block table, exclusive writes, preemptions."""
     config, block_manager = scheduler.config, scheduler.block_manager
     size, blocks = block_manager.block_size, block_manager.pool.blocks
@@ -239,12 +239,12 @@ def check_plan(scheduler: Scheduler, plan: SchedulerOutput, before: dict) -> Non
         ):
             assert len(table) == ceil_div(end, size), "a table grows by exactly what the step needs"
     scheduled_ids = {s.sequence_id for s in plan.requests}
-    for request_id in plan.preempted_request_ids:
+    for request_id in preempted:
         request = scheduler.requests[request_id]
         assert request_id not in scheduled_ids and request in scheduler.waiting
         assert request.num_computed_tokens == 0 and request_id not in block_manager.tables
     for request_id, (num_computed, block_ids) in before.items():
-        if request_id in scheduled_ids or request_id in plan.preempted_request_ids:
+        if request_id in scheduled_ids or request_id in preempted:
             continue
         request = scheduler.requests[request_id]
         if block_ids is None and request.parent_sequence_id is not None:
@@ -270,11 +270,24 @@ def check_state(scheduler: Scheduler) -> None:
         assert request.num_computed_tokens == 0 and request.sequence_id not in block_manager.tables
 
 
+@dataclass(frozen=True)
+class CheckedStep:
+    """A plan, and the sequences its `schedule()` preempted (read from their preemption counts).
+
+    Reads as the plan itself (`.requests`, `.num_batched_tokens`, ...)."""
+
+    plan: SchedulerOutput
+    preempted_sequence_ids: list[str]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.plan, name)
+
+
 @dataclass
 class RunLog:
     """What a checked run did: every plan, and each finished request with its finishing step."""
 
-    plans: list[SchedulerOutput] = field(default_factory=list)
+    plans: list[CheckedStep] = field(default_factory=list)
     finished: dict[str, Request] = field(default_factory=dict)
     finish_step: dict[str, int] = field(default_factory=dict)
 
@@ -284,22 +297,29 @@ def step(
     runner: FakeModelRunner,
     log: RunLog | None = None,
     forced: dict[str, int] | None = None,
-) -> SchedulerOutput:
+) -> CheckedStep:
     """One checked engine step: schedule, check, execute, update, check."""
     log = log if log is not None else RunLog()
     before = _snapshot(scheduler)
     live = dict(scheduler.requests)
+    num_preemptions = {request_id: r.num_preemptions for request_id, r in live.items()}
     plan = scheduler.schedule()
-    check_plan(scheduler, plan, before)
+    preempted = [
+        request_id
+        for request_id, request in live.items()
+        if request.num_preemptions > num_preemptions[request_id]
+    ]
+    check_plan(scheduler, plan, before, preempted)
     scheduler.update_from_output(plan, runner.execute(plan, forced))
     check_state(scheduler)
-    log.plans.append(plan)
+    checked = CheckedStep(plan, preempted)
+    log.plans.append(checked)
     for request_id, request in live.items():
         if request_id not in scheduler.requests:
             assert request.is_finished and request_id not in scheduler.block_manager.tables
             log.finished[request_id] = request
             log.finish_step[request_id] = len(log.plans)
-    return plan
+    return checked
 
 
 def run_to_completion(
@@ -310,8 +330,8 @@ def run_to_completion(
     log = RunLog()
     while scheduler.has_unfinished_requests():
         assert len(log.plans) < max_steps, "no progress"
-        plan = step(scheduler, runner, log)
-        assert plan.requests or plan.preempted_request_ids, "a step with work left did nothing"
+        checked = step(scheduler, runner, log)
+        assert checked.requests or checked.preempted_sequence_ids, "a step did nothing"
     check_all_free(scheduler)
     return log
 

@@ -28,7 +28,6 @@ class AttentionMetadata:
     query_start_loc: Tensor  # [num_reqs + 1] int32: cumulative new-token counts
     seq_lens: Tensor  # [num_reqs] int32: context length including this step's new tokens
     max_query_len: int
-    max_seq_len: int
 
     @property
     def num_reqs(self) -> int:

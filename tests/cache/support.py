@@ -32,10 +32,20 @@ def run_prompt(
     return num_cached_tokens
 
 
+def allocate_new(manager: BlockManager, sequence_id: str, num_tokens: int) -> bool:
+    """Admit an uncached prompt of `num_tokens` as the scheduler would: start the table (nothing
+    cached), reserve its slots, and on failure give the table back (nothing changed)."""
+    assert manager.allocate_cached_prefix(sequence_id, []) == 0
+    if manager.allocate_slots(sequence_id, num_tokens, 0):
+        return True
+    manager.free(sequence_id)
+    return False
+
+
 def fill_with_single_block_requests(manager: BlockManager) -> None:
     """Give request f<i> block i for every block of the pool."""
     for block_id in range(manager.pool.num_blocks):
-        assert manager.allocate_slots(f"f{block_id}", BLOCK_SIZE, 0)
+        assert allocate_new(manager, f"f{block_id}", BLOCK_SIZE)
         assert manager.block_ids(f"f{block_id}") == [block_id]
 
 

@@ -6,7 +6,12 @@ import pytest
 
 from pagedserve.cache.block_manager import BlockManager
 from pagedserve.cache.block_pool import DoubleFreeError
-from tests.cache.support import fill_with_single_block_requests, make_manager, manager_state
+from tests.cache.support import (
+    allocate_new,
+    fill_with_single_block_requests,
+    make_manager,
+    manager_state,
+)
 
 # --- growth: the worked example and all-or-nothing reservation -------------------------------
 
@@ -17,7 +22,7 @@ def make_worked_example() -> BlockManager:
     fill_with_single_block_requests(manager)
     for request_id in ("f9", "f2", "f7"):  # hash-less blocks go to the front of the free queue
         manager.free(request_id)
-    assert manager.allocate_slots("a", 12, 0)
+    assert allocate_new(manager, "a", 12)
     assert manager.block_ids("a") == [7, 2, 9]
     return manager
 
@@ -55,7 +60,7 @@ def test_writing_token_twelve_reserves_a_fourth_block_once_one_is_free():
 
 def test_allocation_within_reserved_slots_needs_no_new_block():
     manager = make_manager()
-    assert manager.allocate_slots("a", 5, 0)
+    assert allocate_new(manager, "a", 5)
     assert manager.block_ids("a") == [0, 1]
     assert manager.allocate_slots("a", 3, 5)
     assert manager.block_ids("a") == [0, 1]
@@ -65,20 +70,10 @@ def test_allocation_within_reserved_slots_needs_no_new_block():
 
 def test_allocation_grows_by_exactly_the_blocks_the_step_needs():
     manager = make_manager()
-    assert manager.allocate_slots("a", 1, 0)
+    assert allocate_new(manager, "a", 1)
     assert manager.block_ids("a") == [0]
     assert manager.allocate_slots("a", 9, 1)
     assert manager.block_ids("a") == [0, 1, 2]
-    manager.check_invariants()
-
-
-def test_failed_first_allocation_creates_no_table():
-    manager = make_manager(num_blocks=2)
-    before = manager_state(manager)
-    assert manager.allocate_slots("a", 9, 0) is False
-    assert "a" not in manager.tables
-    assert manager.block_ids("a") == []
-    assert manager_state(manager) == before
     manager.check_invariants()
 
 
@@ -101,10 +96,10 @@ def test_allocation_after_a_cache_miss_fills_the_requests_own_table():
 
 def test_allocation_uses_up_the_whole_pool_then_fails():
     manager = make_manager(num_blocks=3)
-    assert manager.allocate_slots("a", 12, 0)
+    assert allocate_new(manager, "a", 12)
     assert manager.num_free_blocks == 0
     before = manager_state(manager)
-    assert manager.allocate_slots("b", 1, 0) is False
+    assert allocate_new(manager, "b", 1) is False
     assert manager_state(manager) == before
     manager.check_invariants()
 
@@ -119,9 +114,9 @@ def test_request_that_can_never_fit_is_reported():
 
 def test_can_ever_fit_ignores_blocks_in_use_now():
     manager = make_manager(num_blocks=2)
-    assert manager.allocate_slots("a", 8, 0)
+    assert allocate_new(manager, "a", 8)
     assert manager.can_ever_fit(8)
-    assert manager.allocate_slots("b", 1, 0) is False
+    assert allocate_new(manager, "b", 1) is False
     manager.check_invariants()
 
 
@@ -130,7 +125,7 @@ def test_can_ever_fit_ignores_blocks_in_use_now():
 
 def test_free_returns_every_block_and_forgets_the_table():
     manager = make_manager()
-    assert manager.allocate_slots("a", 10, 0)
+    assert allocate_new(manager, "a", 10)
     manager.free("a")
     assert manager.num_free_blocks == 8
     assert "a" not in manager.tables
@@ -139,7 +134,7 @@ def test_free_returns_every_block_and_forgets_the_table():
 
 def test_free_of_an_unknown_request_is_a_no_op():
     manager = make_manager()
-    assert manager.allocate_slots("a", 4, 0)
+    assert allocate_new(manager, "a", 4)
     before = manager_state(manager)
     manager.free("missing")
     manager.free("missing")
@@ -149,7 +144,7 @@ def test_free_of_an_unknown_request_is_a_no_op():
 
 def test_releasing_a_freed_block_again_raises_double_free_error():
     manager = make_manager()
-    assert manager.allocate_slots("a", 4, 0)
+    assert allocate_new(manager, "a", 4)
     (block_id,) = manager.block_ids("a")
     manager.free("a")
     with pytest.raises(DoubleFreeError):
@@ -159,7 +154,7 @@ def test_releasing_a_freed_block_again_raises_double_free_error():
 
 def test_check_invariants_reports_a_leaked_reference():
     manager = make_manager()
-    assert manager.allocate_slots("a", 4, 0)
+    assert allocate_new(manager, "a", 4)
     manager.pool.touch(manager.pool.blocks[0])  # a reference no table accounts for
     with pytest.raises(RuntimeError, match="block 0"):
         manager.check_invariants()

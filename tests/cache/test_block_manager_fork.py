@@ -4,14 +4,14 @@ nothing, freeing both sides returns every block, and a diverging child caches it
 
 import pytest
 
-from tests.cache.support import PROMPT, make_manager, manager_state, run_prompt
+from tests.cache.support import PROMPT, allocate_new, make_manager, manager_state, run_prompt
 
 # --- fork and copy-on-write -----------------------------------------------------------------
 
 
 def test_fork_shares_every_block_of_the_parent():
     manager = make_manager()
-    assert manager.allocate_slots("parent", 6, 0)
+    assert allocate_new(manager, "parent", 6)
     manager.fork("parent", "child", 6)
     assert manager.block_ids("child") == manager.block_ids("parent") == [0, 1]
     assert [manager.pool.blocks[i].ref_count for i in (0, 1)] == [2, 2]
@@ -21,7 +21,7 @@ def test_fork_shares_every_block_of_the_parent():
 
 def test_forked_writes_diverge_through_copy_on_write():
     manager = make_manager()
-    assert manager.allocate_slots("parent", 6, 0)
+    assert allocate_new(manager, "parent", 6)
     manager.fork("parent", "child", 6)
     # The parent writes token 6 into shared block 1: it gets a private copy first.
     assert manager.allocate_slots("parent", 1, 6)
@@ -38,7 +38,7 @@ def test_forked_writes_diverge_through_copy_on_write():
 
 def test_writes_past_the_shared_blocks_need_no_copy():
     manager = make_manager()
-    assert manager.allocate_slots("parent", 8, 0)
+    assert allocate_new(manager, "parent", 8)
     manager.fork("parent", "child", 8)
     assert manager.allocate_slots("parent", 1, 8)
     assert manager.block_ids("parent") == [0, 1, 2]
@@ -48,7 +48,7 @@ def test_writes_past_the_shared_blocks_need_no_copy():
 
 def test_fork_then_free_both_returns_every_block():
     manager = make_manager()
-    assert manager.allocate_slots("parent", 6, 0)
+    assert allocate_new(manager, "parent", 6)
     manager.fork("parent", "child", 6)
     assert manager.allocate_slots("parent", 3, 6)
     assert manager.allocate_slots("child", 5, 6)
@@ -61,7 +61,7 @@ def test_fork_then_free_both_returns_every_block():
 
 def test_copy_on_write_that_cannot_get_a_block_changes_nothing():
     manager = make_manager(num_blocks=2)
-    assert manager.allocate_slots("parent", 6, 0)
+    assert allocate_new(manager, "parent", 6)
     manager.fork("parent", "child", 6)
     assert manager.num_free_blocks == 0
     before = manager_state(manager)
@@ -73,7 +73,7 @@ def test_copy_on_write_that_cannot_get_a_block_changes_nothing():
 
 def test_copy_on_write_counts_its_copy_against_the_free_blocks():
     manager = make_manager(num_blocks=3)
-    assert manager.allocate_slots("parent", 6, 0)
+    assert allocate_new(manager, "parent", 6)
     manager.fork("parent", "child", 6)
     # Tokens 6..9 write into shared block 1 (needs a copy) and a new block 2: two blocks, one free.
     before = manager_state(manager)
@@ -86,8 +86,8 @@ def test_copy_on_write_counts_its_copy_against_the_free_blocks():
 
 def test_fork_into_an_existing_request_is_refused():
     manager = make_manager()
-    assert manager.allocate_slots("a", 4, 0)
-    assert manager.allocate_slots("b", 4, 0)
+    assert allocate_new(manager, "a", 4)
+    assert allocate_new(manager, "b", 4)
     before = manager_state(manager)
     with pytest.raises(RuntimeError):
         manager.fork("a", "b", 4)
@@ -97,7 +97,7 @@ def test_fork_into_an_existing_request_is_refused():
 
 def test_fork_shares_only_the_blocks_covering_the_given_tokens():
     manager = make_manager()
-    assert manager.allocate_slots("parent", 10, 0)
+    assert allocate_new(manager, "parent", 10)
     manager.fork("parent", "child", 5)
     assert manager.block_ids("child") == [0, 1]
     assert [manager.pool.blocks[i].ref_count for i in (0, 1, 2)] == [2, 2, 1]
@@ -106,7 +106,7 @@ def test_fork_shares_only_the_blocks_covering_the_given_tokens():
 
 def test_fork_of_zero_tokens_gives_an_empty_table():
     manager = make_manager()
-    assert manager.allocate_slots("parent", 6, 0)
+    assert allocate_new(manager, "parent", 6)
     manager.fork("parent", "child", 0)
     assert manager.block_ids("child") == []
     assert "child" in manager.tables

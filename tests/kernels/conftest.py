@@ -62,7 +62,6 @@ def make_paged_batch(
         query_start_loc=query_start_loc.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
     )
     return query.to(device), key_cache.to(device), value_cache.to(device), meta
 

@@ -91,7 +91,6 @@ def test_cpu_kernel_rejects_int64_block_tables_with_clear_error(cpu_backend, pag
         meta.query_start_loc,
         meta.seq_lens,
         meta.max_query_len,
-        meta.max_seq_len,
     )
     with pytest.raises(RuntimeError, match="int32"):
         cpu_backend.forward(query, key_cache, value_cache, bad_meta, 1.0)
@@ -108,7 +107,6 @@ def test_cpu_kernel_rejects_seq_len_beyond_block_table(cpu_backend, paged_batch)
         meta.query_start_loc,
         torch.tensor([capacity + 1], dtype=torch.int32),
         meta.max_query_len,
-        capacity + 1,
     )
     with pytest.raises(RuntimeError, match="exceeds its block table"):
         cpu_backend.forward(query, key_cache, value_cache, too_long, 1.0)
@@ -166,7 +164,6 @@ def test_cpu_kernel_widens_every_fp8_value_exactly(cpu_backend):
         query_start_loc=torch.arange(5, dtype=torch.int32),
         seq_lens=torch.ones(4, dtype=torch.int32),
         max_query_len=1,
-        max_seq_len=1,
     )
     query = torch.randn(4, 1, 64)
     output = cpu_backend.forward(query, key_cache, value_cache, meta, 0.125)

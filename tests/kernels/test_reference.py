@@ -20,7 +20,6 @@ def _metadata(
         query_start_loc=query_start_loc,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
     )
 
 

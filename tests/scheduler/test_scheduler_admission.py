@@ -127,7 +127,7 @@ def test_failed_admission_changes_no_table_count_or_reference():
     scheduler.add_request(late)
     free_before, refs_before = scheduler.block_manager.num_free_blocks, ref_counts(scheduler)
     plan = step(scheduler, runner)
-    assert [s.sequence_id for s in plan.requests] == ["holder"] and not plan.preempted_request_ids
+    assert [s.sequence_id for s in plan.requests] == ["holder"] and not plan.preempted_sequence_ids
     assert late.num_computed_tokens == 0 and "late" not in scheduler.block_manager.tables
     assert list(scheduler.waiting) == [late] and late.status == RequestStatus.WAITING
     assert (
@@ -209,7 +209,7 @@ def test_scheduler_preempts_the_latest_arrived_request_when_out_of_blocks():
     step(scheduler, runner)  # both prefilled: all 4 blocks in use
     victim_blocks = list(scheduler.block_manager.block_ids("b"))
     plan = step(scheduler, runner)  # both need a 3rd block for position 8
-    assert plan.preempted_request_ids == ["b"] and [s.sequence_id for s in plan.requests] == ["a"]
+    assert plan.preempted_sequence_ids == ["b"] and [s.sequence_id for s in plan.requests] == ["a"]
     assert second.status == RequestStatus.PREEMPTED and second.num_computed_tokens == 0
     assert "b" not in scheduler.block_manager.tables and scheduler.waiting[0] is second
     assert len(second.output_token_ids) == 1  # generated tokens are kept
@@ -228,7 +228,7 @@ def test_under_fcfs_a_preempted_request_waits_ahead_of_later_arrivals():
     for request_id in "abc":
         scheduler.add_request(make_request(request_id, 8, max_tokens=8, ignore_eos=True))
     step(scheduler, runner)
-    assert step(scheduler, runner).preempted_request_ids == ["b"]
+    assert step(scheduler, runner).preempted_sequence_ids == ["b"]
     assert [request.sequence_id for request in scheduler.waiting] == ["b", "c"]
 
 
@@ -249,7 +249,7 @@ def test_priority_policy_preempts_the_lowest_priority_even_when_it_arrived_first
     scheduler.add_request(make_request("high", 8, max_tokens=8, priority=0))
     assert [s.sequence_id for s in step(scheduler, runner).requests] == ["high", "low"]
     plan = step(scheduler, runner)
-    assert plan.preempted_request_ids == ["low"] and [s.sequence_id for s in plan.requests] == [
+    assert plan.preempted_sequence_ids == ["low"] and [s.sequence_id for s in plan.requests] == [
         "high"
     ]
     assert scheduler.waiting[0].sequence_id == "low"
@@ -273,7 +273,7 @@ def test_failing_request_that_is_the_only_candidate_preempts_itself_and_waits():
     scheduler.add_request(newer)
     step(scheduler, runner)
     plan = step(scheduler, runner)
-    assert [s.sequence_id for s in plan.requests] == ["a"] and plan.preempted_request_ids == ["b"]
+    assert [s.sequence_id for s in plan.requests] == ["a"] and plan.preempted_sequence_ids == ["b"]
     assert scheduler.waiting[0] is newer and newer.status == RequestStatus.PREEMPTED
     assert older.num_computed_tokens == 8 and scheduler.num_preemptions == 1
     log = run_to_completion(scheduler, runner)
@@ -287,7 +287,7 @@ def test_preempted_request_recomputes_its_prompt_and_generated_tokens_when_readm
     victim = make_request("b", 8, max_tokens=8, ignore_eos=True)
     scheduler.add_request(victim)
     step(scheduler, runner, log)
-    assert step(scheduler, runner, log).preempted_request_ids == ["b"]
+    assert step(scheduler, runner, log).preempted_sequence_ids == ["b"]
     tokens_at_preemption = list(victim.all_token_ids)
     for _ in range(50):
         if any(s.sequence_id == "b" for s in step(scheduler, runner, log).requests):
@@ -308,7 +308,7 @@ def test_priority_policy_admits_a_waiting_higher_priority_request_before_a_preem
     step(scheduler, runner)
     scheduler.add_request(make_request("high2", 8, priority=0, max_tokens=8, ignore_eos=True))
     for _ in range(50):  # high1 grows and preempts low
-        if step(scheduler, runner).preempted_request_ids:
+        if step(scheduler, runner).preempted_sequence_ids:
             break
     else:
         pytest.fail("no preemption happened")

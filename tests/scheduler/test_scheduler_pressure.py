@@ -70,7 +70,7 @@ def test_32_requests_in_24_blocks_finish_with_the_unconstrained_outputs_and_no_s
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in requests)
     assert all(r.output_token_ids == expected_output_token_ids(r) for r in requests)
     assert scheduler.num_preemptions >= 1
-    assert scheduler.num_preemptions == sum(len(plan.preempted_request_ids) for plan in log.plans)
+    assert scheduler.num_preemptions == sum(len(plan.preempted_sequence_ids) for plan in log.plans)
     oldest = requests[0]
     assert oldest.num_preemptions == 0
     # The oldest runs every step: its prompt in ceil(prompt / budget) chunks, then one token a step.

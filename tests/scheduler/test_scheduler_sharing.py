@@ -1,6 +1,6 @@
 """Scheduler unit tests for KV block sharing: n > 1 through fork (the child waits for the parent's
 prompt, then shares its blocks with copy-on-write, and never poisons the prefix cache) and prefix
-caching across requests (hits, outliving the computing request, cache salts, caching disabled).
+caching across requests (hits, outliving the computing request, caching disabled).
 
 Driven by the fake model runner in tests/conftest.py; `step` and `run_to_completion` check the plan
 and the bookkeeping after every step (budgets, slots, exclusive writes, K/V read back, no leaks).
@@ -190,7 +190,6 @@ def test_prefix_cache_statistics_count_each_admitted_request_once():
     assert blocked.status == RequestStatus.WAITING  # its admission is retried every step
     run_to_completion(scheduler, runner)
     assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (16 + 16, 0)
-    assert scheduler.block_manager.prefix_cache_queries > 32  # the raw lookups, retries included
 
 
 def test_cached_prefix_outlives_the_request_that_computed_it():
@@ -205,17 +204,12 @@ def test_cached_prefix_outlives_the_request_that_computed_it():
     assert second.num_cached_tokens == 16 and log.plans[0].num_batched_tokens == 1
 
 
-@pytest.mark.parametrize("enable_prefix_caching, salt", [(True, "other"), (False, None)])
-def test_no_prefix_hit_across_cache_salts_or_with_caching_disabled(enable_prefix_caching, salt):
-    scheduler = make_scheduler(
-        num_blocks=32, block_size=4, enable_prefix_caching=enable_prefix_caching
-    )
+def test_no_prefix_hit_with_caching_disabled():
+    scheduler = make_scheduler(num_blocks=32, block_size=4, enable_prefix_caching=False)
     first = make_request("a", 17, max_tokens=1)
     scheduler.add_request(first)
     run_to_completion(scheduler)
-    second = make_request(
-        "b", prompt_token_ids=first.prompt_token_ids, max_tokens=1, cache_salt=salt
-    )
+    second = make_request("b", prompt_token_ids=first.prompt_token_ids, max_tokens=1)
     scheduler.add_request(second)
     log = run_to_completion(scheduler)
     assert second.num_cached_tokens == 0 and log.plans[0].num_batched_tokens == 17
