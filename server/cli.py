@@ -88,10 +88,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_flags(generate, ENGINE_SECTIONS)
 
+    _add_replicas_parser(commands)
+
     bench = commands.add_parser("bench", help="run a benchmark: benchmarks.<NAME>.main(args)")
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser
+
+
+def _add_replicas_parser(commands: Any) -> None:
+    from pagedserve.server.replicas import POLICIES  # light: no torch, no router
+
+    replicas = commands.add_parser(
+        "replicas",
+        help="N servers, each on an equal share of the cores, behind sglang-router on --port",
+        description="Other flags are `serve` flags, given to every replica.",
+    )
+    replicas.add_argument("-n", "--num-replicas", type=int, default=2, help="(default: 2)")
+    replicas.add_argument("--host", default="127.0.0.1", help="router bind address")
+    replicas.add_argument("--port", type=int, default=8000, help="router port (default: 8000)")
+    replicas.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    replicas.add_argument("--log-dir", default=None, help="(default: a new temporary folder)")
+
+
+def _replicas(parser: argparse.ArgumentParser, args: argparse.Namespace, serve_args: list[str]):
+    import tempfile
+
+    from pagedserve.server.replicas import ReplicasError, run
+
+    # The replicas' flags are checked here once, not N times in N crashing children.
+    _checked_config(parser, parser.parse_args(["serve", *serve_args]))
+    if args.num_replicas < 1:
+        parser.error(f"--num-replicas must be >= 1, got {args.num_replicas}")
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="pagedserve-replicas-")
+    try:
+        sys.exit(run(args.num_replicas, args.host, args.port, args.policy, serve_args, log_dir))
+    except ReplicasError as exc:
+        sys.stderr.write(f"pagedserve replicas: {exc}\n")
+        sys.exit(1)
 
 
 def config_from_args(
@@ -154,14 +188,9 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: SamplingPa
     sys.stdout.write(output.outputs[0].text + "\n")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "bench":
-        result = importlib.import_module(f"pagedserve.benchmarks.{args.name}").main(args.args)
-        sys.exit(result if isinstance(result, int) else 0)
+def _checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
     try:
-        config = config_from_args(args)
+        return config_from_args(args)
     except ValidationError as exc:  # one line per run, naming each field
         parser.error(
             "invalid configuration: "
@@ -172,6 +201,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     except (ValueError, OSError) as exc:
         parser.error(f"invalid configuration: {exc}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "replicas":
+        _replicas(parser, args, unknown)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "bench":
+        result = importlib.import_module(f"pagedserve.benchmarks.{args.name}").main(args.args)
+        sys.exit(result if isinstance(result, int) else 0)
+    config = _checked_config(parser, args)
     params = None
     if args.command == "generate":  # checked before the model loads
         try:

@@ -20,6 +20,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from pagedserve.engine.outputs import EngineStats, RequestTimings
+from pagedserve.server.metrics_aliases import VllmAliasCollector
 
 PREFIX = "pagedserve:"
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -183,6 +184,7 @@ class ServerMetrics:
     ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(read_stats, model_name))
+        self.registry.register(VllmAliasCollector(read_stats, model_name))  # for routers, HPAs
         self.drain_step_token_counts = drain_step_token_counts
         self.model_name = model_name
 
