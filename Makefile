@@ -34,8 +34,10 @@ run: install
 	$(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT)
 
 test: install lint
-	# A real Prometheus scrapes the server in an end-to-end test (Debian package; no-op if present).
+	# Debian packages for two tests (no-op if present): a real Prometheus scrapes the server, and
+	# docker-compose validates docker-compose.yml (`config` needs no Docker daemon).
 	bash .ci/install-prometheus.sh
+	bash .ci/install-debian-package.sh docker-compose docker-compose
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install

@@ -118,6 +118,7 @@ class EngineStatsCollector(Collector):
         ("num_requests_swapped", "Number of requests swapped to host memory."),
         ("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent usage."),
         ("num_free_blocks", "Number of free KV-cache blocks."),
+        ("num_used_blocks", "Number of KV-cache blocks held by requests."),  # for dashboards
     )
     _COUNTERS = (
         ("num_preemptions", "Cumulative number of preemptions from the engine."),
@@ -139,6 +140,7 @@ class EngineStatsCollector(Collector):
             "num_requests_swapped": stats.num_requests_swapped,
             "kv_cache_usage_perc": stats.kv_cache_usage,
             "num_free_blocks": stats.num_free_blocks,
+            "num_used_blocks": stats.num_total_blocks - stats.num_free_blocks,
             "num_preemptions": stats.num_preemptions,
             "prompt_tokens": stats.num_prompt_tokens,
             "generation_tokens": stats.num_generation_tokens,

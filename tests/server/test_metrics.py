@@ -12,6 +12,7 @@ ENGINE_GAUGES = [
     "num_requests_swapped",
     "kv_cache_usage_perc",
     "num_free_blocks",
+    "num_used_blocks",
 ]
 COUNTERS = [
     "num_preemptions",
@@ -61,6 +62,7 @@ def test_counters_are_exposed_with_the_total_suffix(client):
 def test_engine_gauges_are_read_at_scrape_time(client, engine):
     families = _scrape(client)
     assert families["pagedserve:num_free_blocks"].samples[0].value == 7
+    assert families["pagedserve:num_used_blocks"].samples[0].value == 1
     assert families["pagedserve:kv_cache_usage_perc"].samples[0].value == 0.125
     assert families["pagedserve:generation_tokens"].samples[0].value == 5
     info = families["pagedserve:cache_config_info"].samples[0]
