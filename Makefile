@@ -15,9 +15,11 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.pagedserve-installed-$(subst /,_,$(TORCH_SPEC))
 HOST ?= 127.0.0.1
 PORT ?= 8000
+REPLICAS ?= 2
+POLICY ?= cache_aware
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast lint bench docker-smoke gpu-wheels clean
+.PHONY: install run replicas test test-fast lint bench docker-smoke gpu-wheels clean
 
 install: $(STAMP)
 
@@ -32,6 +34,10 @@ $(STAMP): pyproject.toml Makefile
 
 run: install
 	$(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT)
+
+# REPLICAS servers, each pinned to an equal share of the cores, behind sglang-router on PORT.
+replicas: install
+	$(VENV)/bin/pagedserve replicas -n $(REPLICAS) --host $(HOST) --port $(PORT) --policy $(POLICY)
 
 test: install lint
 	# Debian packages for two tests (no-op if present): a real Prometheus scrapes the server, and

@@ -112,8 +112,11 @@ def start_replica(
 def router_command(
     worker_urls: Sequence[str], host: str, port: int, policy: str, extra_args: Sequence[str] = ()
 ) -> list[str]:
-    """sglang-router's command line. Health checks every 2 s and a circuit that opens after two
-    failures take a dead replica out within seconds (its defaults are 60 s and 10 failures)."""
+    """sglang-router's command line. A health check every 2 s takes a dead replica out after one
+    failure (its default: 60 s, 3 failures), and retries with backoff (about 4 s in all) carry the
+    requests sent to it meanwhile over to a live one. Its circuit breaker is off: version 0.3.2
+    counts a worker's 4xx answers (a client's bad request) as failures and would shut a healthy
+    replica out for a minute (sglang issue #25811)."""
     return [
         sys.executable,
         "-m",
@@ -130,8 +133,13 @@ def router_command(
         "2",
         "--health-failure-threshold",
         "1",
-        "--cb-failure-threshold",
-        "2",
+        "--disable-circuit-breaker",
+        "--retry-max-retries",
+        "8",
+        "--retry-initial-backoff-ms",
+        "100",
+        "--retry-max-backoff-ms",
+        "1000",
         "--prometheus-host",
         "127.0.0.1",
         "--prometheus-port",

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.deploy.support import dashboard_expressions, metric_names
 from tests.replicas.support import Replicas, num_finished, pid_alive, scrape, wait_for
 
 pytestmark = pytest.mark.slow
@@ -98,6 +99,28 @@ def test_a_shared_system_prompt_concentrates_on_one_replica_with_prefix_hits(rep
     # Each later request finds the ~450 system-prompt tokens cached on the chosen replica.
     assert hits[chosen] >= 10 * 300, hits
     assert hits[1 - chosen] < hits[chosen] / 5, hits
+
+
+def test_every_dashboard_metric_is_exported_by_a_real_replica(replicas):
+    # After the requests above every histogram has samples; the dashboard reads only these names.
+    exported = set(scrape(replicas.replicas[0].url))
+    for expr in dashboard_expressions():
+        assert metric_names(expr) <= exported, (expr, metric_names(expr) - exported)
+
+
+def test_client_errors_do_not_take_a_replica_out_of_the_rotation(replicas):
+    too_long = {"model": MODEL, "prompt": "Hi", "max_tokens": 100_000}
+    for _ in range(6):
+        response = httpx.post(replicas.url + "/v1/completions", json=too_long, timeout=60)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "max_tokens"  # our body, passed through
+    before = [num_finished(replica.url) for replica in replicas.replicas]
+    prompts = [f"{index * 31} and {index * 37} are" for index in range(8)]
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(lambda prompt: _complete(replicas.url, prompt), prompts))
+    assert [outcome.status for outcome in outcomes] == [200] * 8
+    served = [num_finished(r.url) - b for r, b in zip(replicas.replicas, before, strict=True)]
+    assert min(served) > 0, served
 
 
 def test_killing_a_replica_mid_run_loses_only_its_in_flight_requests(replicas):
