@@ -117,12 +117,22 @@ def _replicas(parser: argparse.ArgumentParser, args: argparse.Namespace, serve_a
     from pagedserve.server.replicas import ReplicasError, run
 
     # The replicas' flags are checked here once, not N times in N crashing children.
-    _checked_config(parser, parser.parse_args(["serve", *serve_args]))
+    config = _checked_config(parser, parser.parse_args(["serve", *serve_args]))
     if args.num_replicas < 1:
         parser.error(f"--num-replicas must be >= 1, got {args.num_replicas}")
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pagedserve-replicas-")
     try:
-        sys.exit(run(args.num_replicas, args.host, args.port, args.policy, serve_args, log_dir))
+        sys.exit(
+            run(
+                args.num_replicas,
+                args.host,
+                args.port,
+                args.policy,
+                serve_args,
+                log_dir,
+                config.server.api_key,
+            )
+        )
     except ReplicasError as exc:
         sys.stderr.write(f"pagedserve replicas: {exc}\n")
         sys.exit(1)

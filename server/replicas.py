@@ -151,14 +151,23 @@ def router_command(
 
 
 def start_router(
-    worker_urls: Sequence[str], host: str, port: int, policy: str, log_dir: str
+    worker_urls: Sequence[str],
+    host: str,
+    port: int,
+    policy: str,
+    log_dir: str,
+    api_key: str | None = None,
 ) -> Child:
     if importlib.util.find_spec("sglang_router") is None:
         raise ReplicasError(
             "sglang-router is not installed: pip install 'pagedserve[router]' (or sglang-router)"
         )
     log_path = os.path.join(log_dir, "router.log")
-    command = router_command(worker_urls, host, port, policy)
+    # With the replicas' key the router can read /server_info (else the model shows as
+    # "unknown"); clients still send their own Authorization header, which it passes on.
+    command = router_command(
+        worker_urls, host, port, policy, ["--api-key", api_key] if api_key else []
+    )
     process = _spawn(command, dict(os.environ), (), log_path)
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     return Child("router", f"http://{shown_host}:{port}", process, (), log_path, {"policy": policy})
@@ -235,6 +244,7 @@ def run(
     policy: str,
     serve_args: Sequence[str],
     log_dir: str,
+    api_key: str | None = None,
 ) -> int:
     """Starts everything, prints where each listens, and stops all on Ctrl-C / SIGTERM (0)."""
     os.makedirs(log_dir, exist_ok=True)
@@ -247,7 +257,8 @@ def run(
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for replica in replicas:
             wait_until_ready(replica, "/health", deadline)
-        router = start_router([replica.url for replica in replicas], host, port, policy, log_dir)
+        urls = [replica.url for replica in replicas]
+        router = start_router(urls, host, port, policy, log_dir, api_key)
         wait_until_ready(router, "/readiness", time.monotonic() + 60)
         print(describe([*replicas, router]), f"\nlogs in {log_dir}", sep="\n", flush=True)
         return _supervise(router, replicas)
