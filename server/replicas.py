@@ -82,7 +82,9 @@ def _child_setup(cores: tuple[int, ...]) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _spawn(command: list[str], env: dict[str, str], cores: tuple[int, ...], log_path: str):
+def _spawn(
+    command: list[str], env: dict[str, str], cores: tuple[int, ...], log_path: str
+) -> subprocess.Popen[bytes]:
     with open(log_path, "ab") as log:
         # Own session: a Ctrl-C reaches the launcher only, which stops the router first.
         return subprocess.Popen(
