@@ -43,9 +43,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time so far of these processes (all their threads), from /proc."""
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / ticks_per_s
+
+
 @contextlib.contextmanager
-def launched(num_replicas: int, policy: str) -> Iterator[str]:
-    """`pagedserve replicas -n N` on a free port; yields the router's URL once it is ready."""
+def launched(num_replicas: int, policy: str) -> Iterator[tuple[str, list[int]]]:
+    """`pagedserve replicas -n N` on a free port; yields the router's URL and the replicas' pids
+    once everything is ready."""
     port = serving.free_port()
     log_dir = tempfile.mkdtemp(prefix=f"pagedserve-bench-replicas-{num_replicas}-")
     command = [sys.executable, "-m", "pagedserve.server", "replicas", "-n", str(num_replicas)]
@@ -54,13 +65,16 @@ def launched(num_replicas: int, policy: str) -> Iterator[str]:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
     try:
         assert process.stdout is not None
+        pids = []
         for line in process.stdout:  # the launcher prints its table once everything is ready
             print(line, end="", flush=True)
+            if line.startswith("replica "):
+                pids.append(int(line.split(" pid ")[1].split()[0]))
             if line.startswith("logs in "):
                 break
         else:
             raise RuntimeError(f"the launcher exited with {process.wait()}; logs in {log_dir}")
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", pids
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -89,19 +103,33 @@ def measure(num_replicas: int, args: argparse.Namespace) -> dict[str, Any]:
             "text",
         ]
     )
-    with launched(num_replicas, args.policy) as base_url:
+    with launched(num_replicas, args.policy) as (base_url, pids):
+        cpu_before = cpu_seconds(pids)
         (row,) = serving.run_all(base_url, serving_args)
-    num_cores = len(os.sched_getaffinity(0))
-    return {"num_replicas": num_replicas, "num_cores": num_cores, **row}
+        replica_cpu_s = cpu_seconds(pids) - cpu_before
+    num_output_tokens = row["output_tokens_per_s"] * row["duration_s"]
+    return {
+        "num_replicas": num_replicas,
+        "num_cores": len(os.sched_getaffinity(0)),
+        # CPU time the replicas spent: on a shared machine, tokens per CPU-second compare the
+        # configurations' efficiency where wall-clock throughput mostly measures the neighbours.
+        "replica_cpu_s": replica_cpu_s,
+        "output_tokens_per_cpu_s": num_output_tokens / replica_cpu_s if replica_cpu_s else 0.0,
+        **row,
+    }
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'replicas':>8} {'ok':>4} {'err':>4} {'req/s':>6} {'out tok/s':>9} {'tot tok/s':>9}")
+    print(
+        f"{'replicas':>8} {'ok':>4} {'err':>4} {'req/s':>6} {'out tok/s':>9} {'tot tok/s':>9} "
+        f"{'cpu s':>7} {'out tok/cpu s':>13}"
+    )
     for row in rows:
         print(
             f"{row['num_replicas']:>8} {row['num_completed']:>4} {row['num_errors']:>4} "
             f"{row['requests_per_s']:>6.2f} {row['output_tokens_per_s']:>9.1f} "
-            f"{row['total_tokens_per_s']:>9.1f}"
+            f"{row['total_tokens_per_s']:>9.1f} {row['replica_cpu_s']:>7.1f} "
+            f"{row['output_tokens_per_cpu_s']:>13.2f}"
         )
 
 

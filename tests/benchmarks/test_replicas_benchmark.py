@@ -19,6 +19,7 @@ def test_the_replicas_benchmark_measures_each_configuration_through_the_router(t
     (row,) = rows
     assert row["num_replicas"] == 1 and row["num_completed"] == 2 and row["num_errors"] == 0
     assert row["output_tokens_per_s"] > 0
+    assert row["replica_cpu_s"] > 0 and row["output_tokens_per_cpu_s"] > 0
     assert json.loads(output.read_text())["results"][0]["num_replicas"] == 1
 
 
