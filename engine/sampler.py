@@ -95,7 +95,7 @@ class Sampler:
             token_id = int(logits.argmax())
         else:
             probs = _filtered_probs(logits / params.temperature, params)
-            # Exponential race == multinomial draw, and consumes a fixed amount of randomness per step.
+            # Exponential race == multinomial draw, with a fixed amount of randomness per step.
             noise = torch.empty_like(probs).exponential_(generator=row.generator or self._generator)
             token_id = int((probs / noise).argmax())
         logprob = None
