@@ -155,7 +155,7 @@ class BlockManager:
         num_computed_tokens: int,
         extra_key: Hashable = None,
     ) -> None:
-        """Register each block of `sequence_id` that is now full and computed in the prefix cache."""
+        """Register each block of `sequence_id` now full and computed in the prefix cache."""
         if not self.pool.enable_prefix_caching:
             return
         table, hashes = self.tables[sequence_id], self._block_hashes[sequence_id]

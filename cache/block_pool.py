@@ -35,7 +35,8 @@ class BlockPool:
     """Free queue + ref counts + hash -> block index over `num_blocks` KV blocks.
 
     Invariants (checked by `check_invariants`):
-      * every block is either free (ref_count == 0, in the free queue) or referenced (> 0), never both;
+      * every block is either free (ref_count == 0, in the free queue) or referenced (> 0),
+        never both;
       * num_free_blocks + #(blocks with ref_count > 0) == num_blocks;
       * every hashed block is indexed under its hash.
     The free queue is least-recently-freed first: `allocate` takes from the front, so cached
@@ -101,7 +102,7 @@ class BlockPool:
                 self._free.move_to_end(block.block_id, last=False)
 
     def free(self, blocks: Iterable[Block]) -> None:
-        """Release each block once (callers pass a table tail-first, so its tail is evicted first)."""
+        """Release each block once (callers pass a table tail-first: its tail is evicted first)."""
         for block in blocks:
             self.release(block)
 

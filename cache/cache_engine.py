@@ -21,7 +21,8 @@ KV_CACHE_DTYPES = {**TORCH_DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 class CacheEngine:
-    """Per layer, `key_caches[l]` and `value_caches[l]`: [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per layer, `key_caches[l]` and `value_caches[l]`, each of shape
+    [num_blocks, block_size, num_kv_heads, head_dim]."""
 
     def __init__(self, spec: CacheSpec, num_blocks: int, device: torch.device | str) -> None:
         if num_blocks < 1:
@@ -46,7 +47,8 @@ class CacheEngine:
         return self.num_blocks * self.spec.bytes_per_block
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy block `src` to block `dst` in every layer (copy-on-write before a shared block is written)."""
+        """Copy block `src` to block `dst` in every layer (copy-on-write, before a shared block is
+        written)."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
@@ -60,8 +62,9 @@ class CacheEngine:
         num_tokens = self.num_blocks * self.spec.block_size
         blocks_per_request = -(-max_model_len // self.spec.block_size)
         return (
-            f"KV cache: {self.num_blocks} blocks x {self.spec.block_size} tokens = {num_tokens} tokens, "
-            f"{self.num_bytes / 2**20:.1f} MiB ({self.spec.dtype}, {self.spec.bytes_per_block} B/block) on "
+            f"KV cache: {self.num_blocks} blocks x {self.spec.block_size} tokens = "
+            f"{num_tokens} tokens, {self.num_bytes / 2**20:.1f} MiB ({self.spec.dtype}, "
+            f"{self.spec.bytes_per_block} B/block) on "
             f"{self.device}; max concurrency at max_model_len {max_model_len}: "
             f"{self.num_blocks / blocks_per_request:.1f} requests"
         )

@@ -10,7 +10,8 @@ DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}
 
 @dataclass(frozen=True, slots=True)
 class CacheSpec:
-    """Full-attention KV layout: per layer, K and V of [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Full-attention KV layout: per layer, K and V of
+    [num_blocks, block_size, num_kv_heads, head_dim]."""
 
     num_layers: int
     num_kv_heads: int

@@ -83,7 +83,9 @@ class CacheConfig(_Section):
     # kernel is then compute-bound (benchmarks/RESULTS.md, "Roofline").
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"] = Field(
         "auto",
-        description="KV cache storage dtype (auto: the model's; fp8 = fp8_e4m3, saturating at +-448)",
+        description=(
+            "KV cache storage dtype (auto: the model's; fp8 = fp8_e4m3, saturating at +-448)"
+        ),
     )
 
     @field_validator("kv_cache_memory", mode="before")
@@ -108,7 +110,9 @@ class SchedulerConfig(_Section):
     )
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs",
-        description="order of waiting requests (priority: by each request's 'priority' field, lower first)",
+        description=(
+            "order of waiting requests (priority: by each request's 'priority' field, lower first)"
+        ),
     )
     # Only recompute: a victim's blocks are released and its tokens recomputed (cheap with the
     # prefix cache). Swap-to-host is not implemented; the flag exists so vLLM command lines parse.

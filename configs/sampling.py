@@ -129,7 +129,8 @@ class SamplingParams:
             _check(
                 isinstance(stop, str) and 0 < len(stop) <= MAX_STOP_SEQUENCE_CHARS,
                 "stop",
-                f"each stop sequence must be a non-empty string of at most {MAX_STOP_SEQUENCE_CHARS} characters",
+                "each stop sequence must be a non-empty string of at most "
+                f"{MAX_STOP_SEQUENCE_CHARS} characters",
             )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -193,8 +193,8 @@ class AsyncEngine:
                 self._send_error(
                     payload.request_id,
                     RequestFailedError(
-                        f"The engine could not accept the request ({type(error).__name__}); see the "
-                        "server log."
+                        "The engine could not accept the request "
+                        f"({type(error).__name__}); see the server log."
                     ),
                 )
             return []

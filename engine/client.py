@@ -1,4 +1,4 @@
-"""`EngineClient`: the surface the HTTP server uses. `AsyncEngine` implements it; tests may fake it."""
+"""`EngineClient`: the surface the HTTP server uses. `AsyncEngine` implements it; tests fake it."""
 
 from __future__ import annotations
 

@@ -25,4 +25,4 @@ class EngineDeadError(EngineError):
 
 
 class RequestFailedError(EngineError):
-    """This one request failed inside the engine; the others go on: HTTP 500 / stream error event."""
+    """This one request failed inside the engine; the others go on (HTTP 500 / an error event)."""

@@ -17,7 +17,8 @@ PromptInput = str | list[int]
 class LLM:
     """Batch generation without a server. Engine keyword arguments mirror the CLI flags
     (`block_size`, `num_kv_blocks`, `kv_cache_memory`, `max_model_len`, `max_num_seqs`,
-    `max_num_batched_tokens`, `enable_prefix_caching`, `dtype`, `device`, `attention_backend`, ...)."""
+    `max_num_batched_tokens`, `enable_prefix_caching`, `dtype`, `device`, `attention_backend`,
+    ...)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         config = load_engine_config(cli={"model": model, **engine_args}, environ={})

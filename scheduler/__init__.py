@@ -3,6 +3,7 @@
 Pure Python (no torch). Grows block tables through `cache.BlockManager`, knows no tensors.
 """
 
+from pagedserve.scheduler.admission import AdmissionError
 from pagedserve.scheduler.output import (
     ModelRunnerOutput,
     RequestUpdate,
@@ -10,7 +11,7 @@ from pagedserve.scheduler.output import (
     SchedulerOutput,
 )
 from pagedserve.scheduler.request import Request, RequestStatus
-from pagedserve.scheduler.scheduler import AdmissionError, Scheduler
+from pagedserve.scheduler.scheduler import Scheduler
 
 __all__ = [
     "AdmissionError",

@@ -85,3 +85,16 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def check_stop(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """The status `token_id` (just appended) finishes this sequence with, if any."""
+        params = self.sampling_params
+        num_output = self.num_output_tokens
+        if num_output >= params.min_tokens:
+            if token_id == self.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -31,6 +31,7 @@ from collections import deque
 
 from pagedserve.cache.block_manager import BlockManager
 from pagedserve.configs import SchedulerConfig
+from pagedserve.scheduler.admission import check_admissible
 from pagedserve.scheduler.output import (
     ModelRunnerOutput,
     RequestUpdate,
@@ -38,14 +39,6 @@ from pagedserve.scheduler.output import (
     SchedulerOutput,
 )
 from pagedserve.scheduler.request import Request, RequestStatus
-
-
-class AdmissionError(ValueError):
-    """A request that can never be served (too long for the model or the pool)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class Scheduler:
@@ -71,23 +64,7 @@ class Scheduler:
 
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise AdmissionError unless a request of this size could ever complete."""
-        if num_prompt_tokens < 1:
-            raise AdmissionError("the prompt is empty", "prompt")
-        if num_prompt_tokens >= self.max_model_len:
-            raise AdmissionError(
-                f"the prompt has {num_prompt_tokens} tokens, but this model's context is "
-                f"{self.max_model_len} tokens (prompt + at least 1 output token must fit)",
-                "prompt",
-            )
-        # The last sampled token is returned, never fed back: it needs no slot.
-        total = min(num_prompt_tokens + max_tokens - 1, self.max_model_len)
-        if not self.block_manager.can_ever_fit(total):
-            capacity = self.block_manager.pool.num_blocks * self.block_manager.block_size
-            raise AdmissionError(
-                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
-                f"{total} KV slots, but the whole cache holds {capacity}",
-                "max_tokens",
-            )
+        check_admissible(num_prompt_tokens, max_tokens, self.max_model_len, self.block_manager)
 
     def add_request(self, request: Request) -> None:
         """Queue a sequence. The caller has checked it (`check_admissible`, a fresh id): the
@@ -116,11 +93,9 @@ class Scheduler:
         request = self.requests.pop(sequence_id, None)
         if request is None:
             return None
-        for queue in (self.running, self.fork_waiting):
+        for queue in (self.running, self.fork_waiting, self.waiting):
             if request in queue:
                 queue.remove(request)
-        if request in self.waiting:
-            self.waiting.remove(request)
         request.status = status
         self.block_manager.free(sequence_id)
         return request
@@ -153,11 +128,20 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         num_preemptions_before = self.num_preemptions
         self._fork_ready_children()
+        token_budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
+        if self.num_preemptions == num_preemptions_before:  # no admission in a step that preempted
+            token_budget = self._schedule_waiting(token_budget, scheduled)
+        return SchedulerOutput(
+            requests=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - token_budget,
+            block_copies=self.block_manager.take_block_copies(),
+        )
 
+    def _schedule_running(self, token_budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Plan the running requests in order (appended to `scheduled`); returns the budget left."""
         # Decodes not yet scheduled in this pass: a prompt chunk leaves one token for each. (A
         # decode preempted from the tail stays counted: the chunk is then one token smaller.)
         decodes_left = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
@@ -175,32 +159,25 @@ class Scheduler:
                 token_budget -= num_new_tokens
                 index += 1
             # else: `request` itself was preempted and left `running`; the same index is next.
+        return token_budget
 
-        while (
-            self.waiting
-            and token_budget > 0
-            and self.num_preemptions == num_preemptions_before  # no admission after preempting
-            and len(self.running) < self.config.max_num_seqs
-        ):
+    def _schedule_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Admit waiting requests in order while budget, seats and blocks last."""
+        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if not self._admit(request, token_budget):
                 break
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             scheduled.append(self._plan(request, num_new_tokens))
             token_budget -= num_new_tokens
-
-        return SchedulerOutput(
-            requests=scheduled,
-            num_batched_tokens=self.config.max_num_batched_tokens - token_budget,
-            block_copies=self.block_manager.take_block_copies(),
-        )
+        return token_budget
 
     def _reserve_or_preempt(self, request: Request, num_new_tokens: int) -> bool:
         """Grow `request`'s table for this step, preempting others until it fits (or itself)."""
         while not self.block_manager.allocate_slots(
             request.sequence_id, num_new_tokens, request.num_computed_tokens
         ):
-            # Victims come from the not-yet-scheduled tail of `running` (sorted, most important first).
+            # Victims come from the not-yet-scheduled tail of `running` (most important first).
             victim = self.running[-1]
             self._preempt(victim)
             if victim is request:
@@ -314,20 +291,8 @@ class Scheduler:
             request.append_output_token(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
-            status = self._check_stop(request, token_id)
+            status = request.check_stop(token_id, self.max_model_len)
             if status is not None:
                 self.finish_request(request.sequence_id, status)
             updates.append(RequestUpdate(request.sequence_id, [token_id], request.status))
         return updates
-
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        num_output = request.num_output_tokens
-        if num_output >= params.min_tokens:
-            if token_id == request.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None

@@ -110,7 +110,7 @@ def _token_count_buckets(max_value: int) -> tuple[float, ...]:
 
 
 class EngineStatsCollector(Collector):
-    """Engine gauges, counters and the cache-config info, read from one stats snapshot per scrape."""
+    """Engine gauges, counters and the cache-config info, from one stats snapshot per scrape."""
 
     _GAUGES = (
         ("num_requests_running", "Number of requests in model execution batches."),

@@ -31,7 +31,9 @@ __all__ = [
 
 
 class AttentionBackend(Protocol):
-    """Reads and writes one layer's paged KV cache ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """Reads and writes one layer's paged KV cache.
+
+    Each cache is ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
     The cache's dtype may differ from the model's (``--kv-cache-dtype``): ``store_kv`` converts
     new K/V to it (fp8 saturating) and ``forward`` returns the query's dtype.
@@ -58,7 +60,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
     ) -> Tensor:
-        """Causal attention of query ``[num_tokens, num_heads, head_dim]``; returns the same shape."""
+        """Causal attention of query ``[num_tokens, num_heads, head_dim]``; same shape back."""
         ...
 
 

@@ -15,6 +15,7 @@ import os
 import platform
 from pathlib import Path
 from types import ModuleType
+from typing import IO
 
 import torch
 from torch import Tensor
@@ -25,7 +26,8 @@ from pagedserve.cache.attention.torch_ref import TorchPagedAttention, store_kv_b
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-# -Wno-psabi: GCC notes the ABI of 64-byte vector returns on AVX2-only hosts; they never leave the file.
+# -Wno-psabi: GCC notes the ABI of 64-byte vector returns on AVX2-only hosts; they never leave
+# the file.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"]
 _LDFLAGS = ["-fopenmp"]
 # The kernel keeps a row in registers as kMaxChunks x 16 floats; larger heads take the reference.
@@ -33,7 +35,8 @@ MAX_HEAD_DIM = 512
 
 
 def kernel_cache_dir() -> Path:
-    """Root of the kernel build cache: ``$PAGEDSERVE_CACHE/kernels`` or ``~/.cache/pagedserve/kernels``."""
+    """Root of the kernel build cache: ``$PAGEDSERVE_CACHE/kernels`` (default
+    ``~/.cache/pagedserve/kernels``)."""
     root = os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve"
     return Path(root) / "kernels"
 
@@ -47,15 +50,8 @@ def _host_cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
-@functools.cache
-def load_cpu_kernel() -> ModuleType:
-    """Build (first time) and import the C++ extension; cached for the process.
-
-    Raises:
-        RuntimeError: the compiler or torch's build tooling failed, with the build log.
-    """
-    from torch.utils import cpp_extension
-
+def _build_key() -> str:
+    """What the built extension depends on: a change to any of it builds a fresh copy."""
     digest = hashlib.sha256()
     for part in (
         _SOURCE.read_bytes(),
@@ -67,16 +63,32 @@ def load_cpu_kernel() -> ModuleType:
         _host_cpu_signature().encode(),
     ):
         digest.update(part)
-    key = digest.hexdigest()[:12]
-    build_dir = kernel_cache_dir() / f"paged_attention_{key}"
+    return digest.hexdigest()[:12]
+
+
+def _open_build_lock(build_dir: Path) -> IO[str]:
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        flock = open(build_dir / "pagedserve.flock", "w")  # noqa: SIM115 - closed by the with below
+        return open(build_dir / "pagedserve.flock", "w")  # noqa: SIM115 - the caller closes it
     except OSError as error:  # e.g. a cache directory owned by another user
         raise RuntimeError(
             f"cannot use the kernel cache {build_dir} ({error}); point "
             "$PAGEDSERVE_CACHE at a writable directory"
         ) from error
+
+
+@functools.cache
+def load_cpu_kernel() -> ModuleType:
+    """Build (first time) and import the C++ extension; cached for the process.
+
+    Raises:
+        RuntimeError: the compiler or torch's build tooling failed, with the build log.
+    """
+    from torch.utils import cpp_extension
+
+    key = _build_key()
+    build_dir = kernel_cache_dir() / f"paged_attention_{key}"
+    flock = _open_build_lock(build_dir)
     if not (build_dir / f"pagedserve_paged_attention_{key}.so").exists():
         logger.info(
             "building the CPU attention kernel in %s (first use, about a minute)", build_dir

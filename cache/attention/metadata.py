@@ -17,7 +17,8 @@ class AttentionMetadata:
 
     Causality: query row j (0-based within request i's chunk) sits at position
     ``seq_lens[i] - q_len_i + j`` and attends to positions ``0..that position`` (the cached prefix
-    plus the causal part of its own chunk), where ``q_len_i = query_start_loc[i+1] - query_start_loc[i]``.
+    plus the causal part of its own chunk), where
+    ``q_len_i = query_start_loc[i+1] - query_start_loc[i]``.
 
     Invariant: ``1 <= q_len_i <= seq_lens[i]`` and ``block_tables[i]`` names at least
     ``ceil(seq_lens[i] / block_size)`` blocks; entries past that are padding (0) and never read.

@@ -74,13 +74,7 @@ class TritonPagedAttention:
     ) -> Tensor:
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = key_cache.shape[2]
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-            )
-        group_size = num_heads // num_kv_heads
-        block_m = max(_MIN_BLOCK_M, 1 << (group_size - 1).bit_length())
-        tokens_per_tile = block_m // group_size
+        group_size, block_m, tokens_per_tile = _tile_shape(num_heads, num_kv_heads)
         query = query.contiguous()  # [num_tokens, num_heads, head_dim]
         output = torch.empty_like(query)
         grid = (meta.num_reqs, num_kv_heads, -(-meta.max_query_len // tokens_per_tile))
@@ -106,3 +100,13 @@ class TritonPagedAttention:
             DOT_FP32=query.dtype == torch.float32 or query.device.type == "cpu",
         )
         return output
+
+
+def _tile_shape(num_heads: int, num_kv_heads: int) -> tuple[int, int, int]:
+    """(query heads per KV head, rows per tile, tokens per tile): a tile holds every query head of
+    one KV head for `tokens per tile` tokens."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    group_size = num_heads // num_kv_heads
+    block_m = max(_MIN_BLOCK_M, 1 << (group_size - 1).bit_length())
+    return group_size, block_m, block_m // group_size
