@@ -12,7 +12,7 @@ from pagedserve.configs.engine import (
     parse_bytes,
 )
 from pagedserve.configs.loader import load_engine_config
-from pagedserve.configs.sampling import SamplingParams, SamplingParamsError
+from pagedserve.configs.sampling import SamplingParams, SamplingParamsError, StructuredOutputs
 
 __all__ = [
     "CacheConfig",
@@ -22,6 +22,7 @@ __all__ = [
     "SamplingParamsError",
     "SchedulerConfig",
     "ServerConfig",
+    "StructuredOutputs",
     "load_engine_config",
     "parse_bytes",
 ]

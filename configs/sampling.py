@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 256
 MAX_N = 16
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_CONSTRAINT_CHARS = 1_000_000  # a longer schema or grammar is refused, not compiled
 
 
 class SamplingParamsError(ValueError):
@@ -30,6 +33,43 @@ def _check(condition: bool, param: str, message: str) -> None:
 
 def _finite(value: float) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """A decoding constraint, as vLLM's `structured_outputs` names its kinds. `spec` is the JSON
+    schema text (json), the regex, the EBNF grammar, the tuple of choices, or "" (json_object:
+    any JSON object). The engine compiles it; equal constraints compile once, so `param` (the
+    request field that carried it, named in errors) is not part of the identity."""
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    spec: str | tuple[str, ...] = ""
+    param: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        _check(self.kind in CONSTRAINT_KINDS, self.param, f"unknown constraint {self.kind!r}")
+        if self.kind == "choice":
+            _check(
+                isinstance(self.spec, tuple)
+                and bool(self.spec)
+                and all(isinstance(choice, str) for choice in self.spec),
+                self.param,
+                "choice must be a non-empty list of strings",
+            )
+            num_chars = sum(len(choice) for choice in self.spec)
+        else:
+            _check(isinstance(self.spec, str), self.param, f"{self.kind} must be a string")
+            _check(
+                self.kind == "json_object" or bool(self.spec),
+                self.param,
+                f"{self.kind} must not be empty",
+            )
+            num_chars = len(self.spec)
+        _check(
+            num_chars <= MAX_CONSTRAINT_CHARS,
+            self.param,
+            f"the constraint is longer than {MAX_CONSTRAINT_CHARS} characters",
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +95,7 @@ class SamplingParams:
         None  # number of top alternatives to return per token (0 = only the chosen)
     )
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None  # constrained decoding (None: free)
 
     def __post_init__(self) -> None:
         _check(
@@ -142,6 +183,12 @@ class SamplingParams:
             or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+        )
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs",
+            "structured_outputs must be a StructuredOutputs",
         )
 
     @property

@@ -9,6 +9,7 @@ one `call_soon_threadsafe` into per-request `asyncio.Queue`s. Closing a request'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -115,6 +116,15 @@ class AsyncEngine:
         validated = self._engine.validate_request(
             request_id, prompt_token_ids, params, time.monotonic(), priority
         )
+        if params.structured_outputs is not None:
+            # Compiled on the grammar pool (cached by constraint): neither the event loop nor the
+            # engine thread waits for it; a malformed constraint raises here, nothing queued.
+            grammar = await asyncio.wrap_future(
+                self._engine.structured.compiler.submit(params.structured_outputs)
+            )
+            validated = dataclasses.replace(validated, grammar=grammar)
+            if not self.is_alive or self._stopping.is_set():
+                raise EngineDeadError(self._dead_reason or "the engine is not running")
         if len(self._streams) >= self.max_waiting_requests:
             raise EngineOverloadedError(f"{len(self._streams)} requests are in flight; retry later")
         if request_id in self._streams or request_id in self._closing:
@@ -147,6 +157,13 @@ class AsyncEngine:
         drained = []
         while counts:
             drained.append(counts.popleft())  # deque pops are atomic: safe across threads
+        return drained
+
+    def drain_grammar_mask_times(self) -> list[float]:
+        times = self.engine.structured.mask_times_s if self.engine is not None else None
+        drained = []
+        while times:
+            drained.append(times.popleft())
         return drained
 
     # ---- the engine thread -----------------------------------------------------------------

@@ -43,3 +43,8 @@ class EngineClient(Protocol):
     def drain_step_token_counts(self) -> list[int]:
         """Tokens scheduled in each engine step since the last call (for a histogram)."""
         ...
+
+    def drain_grammar_mask_times(self) -> list[float]:
+        """Seconds spent filling and applying grammar masks, per step that had a constrained row,
+        since the last call (for a histogram)."""
+        ...

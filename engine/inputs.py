@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import xgrammar
+
 from pagedserve.configs import SamplingParams
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.scheduler import AdmissionError
@@ -27,6 +29,8 @@ class ValidatedRequest:
     eos_token_id: int | None
     arrival_time: float
     priority: int
+    # A constrained request's compiled constraint, once compiled (AsyncEngine: off-thread).
+    grammar: xgrammar.CompiledGrammar | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ prompt, the others fork its blocks (see the scheduler) and are reported under th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -23,7 +24,12 @@ from pagedserve.engine.model_loader import LoadedModel, load_model
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats, RequestDelta
-from pagedserve.engine.sampler import SampledBatch, Sampler
+from pagedserve.engine.sampler import SampledBatch, Sampler, SamplingRow
+from pagedserve.engine.structured_outputs import (
+    GrammarRejectedError,
+    Matcher,
+    StructuredOutputManager,
+)
 from pagedserve.scheduler import (
     ModelRunnerOutput,
     Request,
@@ -61,6 +67,9 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.cache_engine, backend)
         self.sampler = Sampler(config.model.seed, device)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, device)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids
+        )
         self.validator = RequestValidator(
             self.vocab_size,
             self.max_model_len,
@@ -93,10 +102,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Validate and queue; raises InvalidRequestError before queueing anything."""
+        """Validate and queue; raises InvalidRequestError before queueing anything. A constraint
+        is compiled here, on this thread (AsyncEngine compiles off the engine thread instead)."""
         validated = self.validate_request(
             request_id, prompt_token_ids, params, arrival_time, priority
         )
+        if params.structured_outputs is not None:
+            grammar = self.structured.compile(params.structured_outputs)
+            validated = dataclasses.replace(validated, grammar=grammar)
         self.add_validated_request(validated)
 
     def add_validated_request(self, request: ValidatedRequest) -> None:
@@ -116,7 +129,13 @@ class LLMEngine:
             )
             for index in range(num_choices)
         ]
-        self.outputs.add(request.request_id, sequences)  # refuses an id in use, before queueing
+        matchers: list[Matcher | None] = [None] * num_choices
+        if request.params.structured_outputs is not None:
+            if request.grammar is None:
+                raise RuntimeError(f"request {request.request_id}: constrained but not compiled")
+            matchers = list(self.structured.new_matchers(request.grammar, num_choices))
+        # Refuses an id in use, before queueing.
+        self.outputs.add(request.request_id, sequences, matchers)
         for sequence in sequences:
             self.scheduler.add_request(sequence)
 
@@ -134,13 +153,15 @@ class LLMEngine:
         if plan.is_empty:
             return []
         self._count_step(plan)
+        rows = self.outputs.sampling_rows(plan)
+        matchers = self.outputs.matchers(rows)
         try:
             logits = self.runner.execute(plan)  # [num sampling sequences, vocab_size]
+            self.structured.apply(logits, matchers)  # constrained rows, before any sampling
         except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("forward pass failed; failing %d sequences", len(plan.requests))
             return self.outputs.fail({s.sequence_id: error for s in plan.requests})
-        # Seam: a logits processor (e.g. a grammar's token bitmask) edits `logits` rows here.
-        sampled = self._sample(plan, logits)
+        sampled = self._sample(rows, matchers, logits)
         deltas = self.outputs.fail(sampled.errors)  # before the update: they have no token
         updates = self.scheduler.update_from_output(plan, ModelRunnerOutput(sampled.token_ids))
         return deltas + self.outputs.process(updates, sampled.logprobs)
@@ -149,9 +170,20 @@ class LLMEngine:
         self.num_steps += 1
         self.step_token_counts.append(plan.num_batched_tokens)
 
-    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> SampledBatch:
-        rows = self.outputs.sampling_rows(plan)
-        return SampledBatch.split(rows, self.sampler.sample(logits, rows))
+    def _sample(
+        self, rows: list[SamplingRow], matchers: list[Matcher | None], logits: torch.Tensor
+    ) -> SampledBatch:
+        sampled = SampledBatch.split(rows, self.sampler.sample(logits, rows))
+        for row, matcher in zip(rows, matchers, strict=True):  # grammars follow their tokens
+            token_id = sampled.token_ids.get(row.sequence_id)
+            if (
+                matcher is not None
+                and token_id is not None
+                and not self.structured.advance(matcher, token_id)  # no token was allowed
+            ):
+                del sampled.token_ids[row.sequence_id], sampled.logprobs[row.sequence_id]
+                sampled.errors[row.sequence_id] = GrammarRejectedError()
+        return sampled
 
     # ---- observability ---------------------------------------------------------------------
 
@@ -171,6 +203,7 @@ class LLMEngine:
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             num_steps=self.num_steps,
+            num_structured_requests=self.structured.num_constrained_requests,
         )
 
 

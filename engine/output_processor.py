@@ -19,6 +19,7 @@ from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.outputs import RequestDelta, RequestTimings, TokenLogprob
 from pagedserve.engine.sampler import SamplingRow
+from pagedserve.engine.structured_outputs import GrammarRejectedError, Matcher
 from pagedserve.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class ChoiceState:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None  # set for seeded requests: seed + index
     group: RequestState
+    matcher: Matcher | None = None  # a constrained choice's grammar state (its output tokens)
 
 
 @dataclass(slots=True, eq=False)
@@ -68,8 +70,14 @@ class OutputProcessor:
         self.num_prompt_tokens = 0  # prefilled: each choice's prompt, counted at its first token
         self.num_generation_tokens = 0
 
-    def add(self, request_id: str, sequences: list[Request]) -> None:
-        """Start tracking a request whose choices are `sequences` (choice i is sequences[i]).
+    def add(
+        self,
+        request_id: str,
+        sequences: list[Request],
+        matchers: list[Matcher | None] | None = None,
+    ) -> None:
+        """Start tracking a request whose choices are `sequences` (choice i is sequences[i]),
+        each constrained by `matchers[i]` when given.
 
         Raises:
             InvalidRequestError: the request id is already in use (nothing is tracked then).
@@ -88,7 +96,8 @@ class OutputProcessor:
                 params.stop,
                 params.include_stop_str_in_output,
             )
-            choice = ChoiceState(index, sequence, detokenizer, generator, group)
+            matcher = matchers[index] if matchers else None
+            choice = ChoiceState(index, sequence, detokenizer, generator, group, matcher)
             group.choices.append(choice)
             self._choices[sequence.sequence_id] = choice
         self.requests[request_id] = group
@@ -113,6 +122,10 @@ class OutputProcessor:
             banned,
         )
 
+    def matchers(self, rows: list[SamplingRow]) -> list[Matcher | None]:
+        """Each row's grammar matcher (None: unconstrained), in row order."""
+        return [self._choices[row.sequence_id].matcher for row in rows]
+
     # ---- after the scheduler's update ------------------------------------------------------
 
     def process(
@@ -129,10 +142,12 @@ class OutputProcessor:
         if sequence.num_output_tokens == len(update.new_token_ids):  # its first token: the
             self.num_prompt_tokens += sequence.num_prompt_tokens  # prompt has been prefilled
         text, stop_string_hit = choice.detokenizer.add(update.new_token_ids)
-        if not stop_string_hit and update.status.is_finished:
+        # The grammar took its stop token (also under ignore_eos): the structure is complete.
+        grammar_done = choice.matcher is not None and bool(choice.matcher.is_terminated())
+        if not stop_string_hit and (update.status.is_finished or grammar_done):
             tail, stop_string_hit = choice.detokenizer.flush()
             text += tail
-        if stop_string_hit:
+        if stop_string_hit or grammar_done:  # either ends the text: finished as stopped
             self.scheduler.stop_on_string(sequence)
         token_ids = tuple(update.new_token_ids)
         logprobs = (logprob,) if logprob is not None else None
@@ -163,7 +178,11 @@ class OutputProcessor:
         deltas = []
         for sequence_id, error in errors.items():
             logger.error("sequence %s failed: %r", sequence_id, error)
-            message = f"internal error: {type(error).__name__}"
+            message = (
+                str(error)
+                if isinstance(error, GrammarRejectedError)
+                else f"internal error: {type(error).__name__}"
+            )
             deltas += self._finish([sequence_id], RequestStatus.FINISHED_ERROR, message)
         return deltas
 

@@ -87,3 +87,4 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     num_steps: int = 0
+    num_structured_requests: int = 0  # requests admitted with an output constraint

@@ -31,7 +31,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine: EngineClient = app.state.engine
     await engine.start()
     app.state.metrics = ServerMetrics(
-        engine.model_name, engine.stats, engine.drain_step_token_counts, engine.max_model_len
+        engine.model_name,
+        engine.stats,
+        engine.drain_step_token_counts,
+        engine.max_model_len,
+        engine.drain_grammar_mask_times,
     )
     app.state.started_at = int(time.time())
     app.state.stop_requests = asyncio.Event()  # set by `begin_shutdown` once the grace is over

@@ -50,6 +50,7 @@ _TTFT_BUCKETS = (
     640.0,
     2560.0,
 )
+_GRAMMAR_MASK_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _TOKEN_LATENCY_BUCKETS = (
     0.01,
     0.025,
@@ -126,6 +127,7 @@ class EngineStatsCollector(Collector):
         ("generation_tokens", "Number of generation tokens processed."),
         ("prefix_cache_queries", "Prefix-cache queries, in number of queried tokens."),
         ("prefix_cache_hits", "Prefix-cache hits, in number of cached tokens."),
+        ("structured_output_requests", "Requests admitted with an output constraint."),
     )
 
     def __init__(self, read_stats: Callable[[], EngineStats], model_name: str) -> None:
@@ -146,6 +148,7 @@ class EngineStatsCollector(Collector):
             "generation_tokens": stats.num_generation_tokens,
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
+            "structured_output_requests": stats.num_structured_requests,
         }
 
     def collect(self) -> Iterator[Metric]:
@@ -183,11 +186,13 @@ class ServerMetrics:
         read_stats: Callable[[], EngineStats],
         drain_step_token_counts: Callable[[], list[int]],
         max_model_len: int,
+        drain_grammar_mask_times: Callable[[], list[float]] = list,
     ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(read_stats, model_name))
         self.registry.register(VllmAliasCollector(read_stats, model_name))  # for routers, HPAs
         self.drain_step_token_counts = drain_step_token_counts
+        self.drain_grammar_mask_times = drain_grammar_mask_times
         self.model_name = model_name
 
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
@@ -243,6 +248,11 @@ class ServerMetrics:
                 "Tokens scheduled per step.",
                 _token_count_buckets(max(16384, max_model_len)),
             ),
+            "grammar_mask": histogram(
+                "grammar_bitmask_seconds",
+                "Time per step filling and applying structured-output token masks.",
+                _GRAMMAR_MASK_BUCKETS,
+            ),
         }
         success = Counter(
             PREFIX + "request_success",
@@ -280,4 +290,6 @@ class ServerMetrics:
     def render(self) -> bytes:
         for num_tokens in self.drain_step_token_counts():
             self.observe("iteration_tokens", num_tokens)
+        for seconds in self.drain_grammar_mask_times():
+            self.observe("grammar_mask", seconds)
         return generate_latest(self.registry)

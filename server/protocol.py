@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from pagedserve.configs import SamplingParams
+from pagedserve.configs import SamplingParams, StructuredOutputs
 
 
 class _Request(BaseModel):
@@ -37,6 +37,28 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: str  # text | json_object | json_schema; others are a 400 naming response_format
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` request object (one of its fields; see server/structured.py)."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(_Request):
@@ -64,13 +86,24 @@ class SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     priority: int = 0  # with --scheduling-policy priority: lower is served first (as vLLM)
+    # Output constraints: OpenAI's, vLLM's, and vLLM's older guided_* (server/structured.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def to_sampling_params(
-        self, max_tokens: int, logprobs: int | None, logit_bias: dict[int, float]
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        logit_bias: dict[int, float],
+        structured_outputs: StructuredOutputs | None = None,
     ) -> SamplingParams:
         """Raises SamplingParamsError (naming the field) for out-of-range values."""
         optional = {
@@ -95,6 +128,7 @@ class SamplingFields(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=logit_bias,
             logprobs=logprobs,
+            structured_outputs=structured_outputs,
         )
 
 

@@ -28,6 +28,7 @@ from pagedserve.server.protocol import (
 )
 from pagedserve.server.recorder import RequestRecorder
 from pagedserve.server.streams import EventStreamResponse, sse_events
+from pagedserve.server.structured import to_structured_outputs
 
 router = APIRouter()
 
@@ -73,7 +74,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     num_top = _logprobs_count(body)
     params = body.to_sampling_params(
-        max_tokens, num_top, parse_logit_bias(body.logit_bias, engine.vocab_size)
+        max_tokens,
+        num_top,
+        parse_logit_bias(body.logit_bias, engine.vocab_size),
+        to_structured_outputs(body),
     )
     recorder = RequestRecorder(
         request.app.state.metrics,

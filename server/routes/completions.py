@@ -27,6 +27,7 @@ from pagedserve.server.protocol import (
 )
 from pagedserve.server.recorder import RequestRecorder
 from pagedserve.server.streams import EventStreamResponse, sse_events
+from pagedserve.server.structured import to_structured_outputs
 
 router = APIRouter()
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -82,6 +83,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     _check_supported(body)
     prompts = completion_prompts(body.prompt, engine)
     logit_bias = parse_logit_bias(body.logit_bias, engine.vocab_size)
+    structured_outputs = to_structured_outputs(body)
     inputs = [
         EngineInput(
             prompt.token_ids,
@@ -95,6 +97,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                 ),
                 body.logprobs,
                 logit_bias,
+                structured_outputs,
             ),
             body.priority,
         )

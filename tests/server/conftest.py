@@ -85,6 +85,9 @@ class FakeEngine:
     def drain_step_token_counts(self) -> list[int]:
         return [3, 1]
 
+    def drain_grammar_mask_times(self) -> list[float]:
+        return [0.002]
+
     @staticmethod
     def _token(choice: int, step: int, params: SamplingParams) -> int:
         letters = "abcdefgh"[choice:]

@@ -1,0 +1,141 @@
+"""`GrammarCompiler`: turns a request's `StructuredOutputs` into an xgrammar `CompiledGrammar` on a
+small thread pool, off the engine thread, with an LRU cache keyed by the constraint.
+
+Compiling needs the tokenizer's vocabulary (xgrammar's `TokenizerInfo`, ~0.3 s for 49k tokens);
+it is built on first use, so an engine that never sees a constraint never pays for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import xgrammar
+
+from pagedserve.configs import StructuredOutputs
+from pagedserve.engine.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+# xgrammar prefixes its messages with "[time] /path/file.cc:line: " (and sometimes "Check
+# failed: ... is false: "): the client gets the sentence that names what is wrong.
+_ANY_OBJECT = '{"type": "object"}'
+_NATIVE_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; thread-safe. `submit` never blocks on a compile.
+
+    Invariant: at most `max_cached` constraints are held (finished or in flight); a failed
+    compile is replaced by a fresh one on the next `submit` (errors are not cached).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        max_threads: int = 2,
+        max_cached: int = 256,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width: ids beyond the tokenizer stay masked
+        self._stop_token_ids = list(stop_token_ids)
+        self._max_cached = max_cached
+        self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="pagedserve-grammar")
+        self._lock = threading.Lock()  # guards the cache (taken on the event loop: never held long)
+        self._compiler_lock = threading.Lock()  # guards the one-off TokenizerInfo build
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._cache: OrderedDict[StructuredOutputs, Future[xgrammar.CompiledGrammar]] = (
+            OrderedDict()
+        )
+
+    def submit(self, constraint: StructuredOutputs) -> Future[xgrammar.CompiledGrammar]:
+        """The compiled grammar (a cached future, or a new compile on the pool). The future raises
+        InvalidRequestError, naming `constraint.param`, when the constraint is malformed."""
+        with self._lock:
+            future = self._cache.get(constraint)
+            if future is not None and not _failed(future):
+                self._cache.move_to_end(constraint)
+                return future
+            future = self._pool.submit(self._compile, constraint)
+            self._cache[constraint] = future
+            self._cache.move_to_end(constraint)
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+        return future
+
+    def compile(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        """Blocking `submit` (the offline API)."""
+        return self.submit(constraint).result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
+                )
+                # Our LRU bounds memory; xgrammar's own cache is unbounded by default.
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def _compile(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        compiler = self._xgrammar_compiler()
+        try:
+            return _compile_with(compiler, constraint)
+        except (RuntimeError, ValueError, TypeError) as error:
+            message = _native_message(error)
+            logger.debug("constraint for %s rejected: %s", constraint.param, message)
+            raise InvalidRequestError(
+                f"invalid {_describe(constraint)} in {constraint.param}: {message}",
+                constraint.param,
+            ) from None
+
+
+def _compile_with(
+    compiler: xgrammar.GrammarCompiler, constraint: StructuredOutputs
+) -> xgrammar.CompiledGrammar:
+    kind, spec = constraint.kind, constraint.spec
+    # Compact JSON (no free whitespace): a small model left free to emit whitespace can run to
+    # max_tokens in it. json_object is OpenAI's "a JSON object", not any JSON value.
+    if kind == "json_object":
+        return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+    if kind == "json":  # strict_mode: no properties or items beyond the schema's
+        return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
+    if kind == "regex":
+        return compiler.compile_regex(spec)
+    if kind == "grammar":
+        return compiler.compile_grammar(spec)
+    return compiler.compile_grammar(choice_grammar(spec))
+
+
+def choice_grammar(choices: str | tuple[str, ...]) -> str:
+    """An EBNF grammar that matches exactly one of `choices` (JSON escapes are valid EBNF ones)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def _failed(future: Future[Any]) -> bool:
+    return future.done() and (future.cancelled() or future.exception() is not None)
+
+
+def _describe(constraint: StructuredOutputs) -> str:
+    return {
+        "json": "JSON schema",
+        "json_object": "JSON grammar",
+        "regex": "regex",
+        "grammar": "grammar",
+        "choice": "choice",
+    }[constraint.kind]
+
+
+def _native_message(error: Exception) -> str:
+    lines = [_NATIVE_PREFIX.sub("", line).strip() for line in str(error).splitlines()]
+    return next((line for line in lines if line), type(error).__name__)[:500]

@@ -1,0 +1,94 @@
+"""`StructuredOutputManager`: the engine's per-step grammar work. Before sampling, fill a token
+bitmask for every constrained row and set the disallowed logits to -inf (so temperature, top-p/k,
+penalties and logprobs all see the constrained distribution); after sampling, advance each
+choice's matcher by its token. Runs on the engine thread; compiling happens elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import xgrammar
+from torch import Tensor
+
+from pagedserve.configs import StructuredOutputs
+from pagedserve.engine.structured_outputs.compiler import GrammarCompiler
+
+Matcher = xgrammar.GrammarMatcher
+
+
+class GrammarRejectedError(Exception):
+    """The grammar allows no token here (the sampled one was drawn from an all -inf row)."""
+
+    def __init__(self) -> None:
+        super().__init__("structured output: the grammar allows no further token")
+
+
+class StructuredOutputManager:
+    """Owns the grammar compiler, one reusable bitmask buffer and the structured-output stats.
+
+    A matcher's state is a function of the choice's output tokens only: it follows them through
+    recompute preemption untouched (the KV cache is rebuilt, the tokens are not regenerated).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size  # the logits' full width (may exceed len(tokenizer))
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
+        self._bitmask: Tensor | None = None  # [rows, ceil(vocab_size / 32)] int32, grown on demand
+        self.num_constrained_requests = 0
+        self.mask_times_s: deque[float] = deque(maxlen=100_000)  # per step with a constrained row
+
+    def new_matchers(self, grammar: xgrammar.CompiledGrammar, num_choices: int) -> list[Matcher]:
+        """One matcher per choice (each advances by its own tokens)."""
+        self.num_constrained_requests += 1
+        return [Matcher(grammar) for _ in range(num_choices)]
+
+    def compile(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        return self.compiler.compile(constraint)
+
+    def apply(self, logits: Tensor, matchers: list[Matcher | None]) -> None:
+        """Mask, in place, the rows of `logits` [num_rows, vocab_size] whose matcher is set.
+
+        A row whose grammar allows no token keeps an all -inf row: whatever is sampled there is
+        then rejected by `advance`, which ends that choice (never a hang).
+        """
+        rows = [index for index, matcher in enumerate(matchers) if matcher is not None]
+        if not rows:
+            return
+        start = time.perf_counter()
+        if logits.shape[-1] != self.vocab_size:
+            raise RuntimeError(
+                f"logits have {logits.shape[-1]} columns but the grammar masks {self.vocab_size}"
+            )
+        bitmask = self._bitmask_rows(len(matchers))
+        for index in rows:
+            matcher = matchers[index]
+            assert matcher is not None
+            if matcher.is_terminated():  # finished choices are never scheduled; stay safe
+                bitmask[index].zero_()
+            else:
+                matcher.fill_next_token_bitmask(bitmask, index)
+        xgrammar.apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device, non_blocking=True), indices=rows
+        )
+        self.mask_times_s.append(time.perf_counter() - start)
+
+    @staticmethod
+    def advance(matcher: Matcher, token_id: int) -> bool:
+        """Feed the sampled token; False if the grammar rejects it (the choice must end)."""
+        return bool(matcher.accept_token(token_id))
+
+    @staticmethod
+    def is_complete(matcher: Matcher) -> bool:
+        """True once the grammar accepted its stop token: the choice ends with "stop"."""
+        return bool(matcher.is_terminated())
+
+    def _bitmask_rows(self, num_rows: int) -> Tensor:
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = xgrammar.allocate_token_bitmask(max(num_rows, 16), self.vocab_size)
+        return self._bitmask[:num_rows]
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()

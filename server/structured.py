@@ -1,0 +1,95 @@
+"""Request fields that constrain the output: OpenAI's `response_format`, vLLM's
+`structured_outputs` object and its older `guided_*` fields, turned into one `StructuredOutputs`.
+
+Only the shape is checked here (one constraint per request, a known `response_format.type`, JSON
+that parses); whether a schema, regex or grammar compiles is the engine's 400 to raise.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pagedserve.configs import StructuredOutputs
+from pagedserve.server.errors import invalid_request
+from pagedserve.server.protocol import ResponseFormat, SamplingFields
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def to_structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
+    """The request's one constraint (None: free text). Raises a 400 APIError for a bad shape;
+    SamplingParamsError (also a 400) for an empty or oversized one."""
+    found = [
+        c for c in (_from_response_format(body.response_format), *_from_vllm_fields(body)) if c
+    ]
+    if len(found) > 1:
+        params = ", ".join(constraint.param for constraint in found)
+        raise invalid_request(
+            f"at most one output constraint per request, got {len(found)} ({params})",
+            found[1].param,
+        )
+    return found[0] if found else None
+
+
+def _from_response_format(response_format: ResponseFormat | None) -> StructuredOutputs | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutputs("json_object", "", "response_format")
+    if response_format.type != "json_schema":
+        raise invalid_request(
+            f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}; "
+            f"got {response_format.type!r}",
+            "response_format",
+        )
+    if response_format.json_schema is None:
+        raise invalid_request(
+            "response_format of type json_schema needs a json_schema object", "response_format"
+        )
+    schema = response_format.json_schema.schema_
+    if schema is None:  # OpenAI's schema is optional: then any JSON object
+        return StructuredOutputs("json_object", "", "response_format")
+    return StructuredOutputs("json", json.dumps(schema), "response_format")
+
+
+def _from_vllm_fields(body: SamplingFields) -> list[StructuredOutputs | None]:
+    found: list[StructuredOutputs | None] = [
+        _json("guided_json", body.guided_json),
+        _text("regex", "guided_regex", body.guided_regex),
+        _choice("guided_choice", body.guided_choice),
+        _text("grammar", "guided_grammar", body.guided_grammar),
+    ]
+    nested = body.structured_outputs
+    if nested is not None:
+        found += [
+            _json("structured_outputs.json", nested.json_),
+            _text("regex", "structured_outputs.regex", nested.regex),
+            _choice("structured_outputs.choice", nested.choice),
+            _text("grammar", "structured_outputs.grammar", nested.grammar),
+        ]
+        if nested.json_object:
+            found.append(StructuredOutputs("json_object", "", "structured_outputs.json_object"))
+    return found
+
+
+def _json(param: str, value: str | dict[str, Any] | None) -> StructuredOutputs | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError as error:
+            raise invalid_request(f"{param} is not valid JSON: {error}", param) from None
+        if not isinstance(parsed, (dict, bool)):
+            raise invalid_request(f"{param} must be a JSON schema object", param)
+        return StructuredOutputs("json", value, param)
+    return StructuredOutputs("json", json.dumps(value), param)
+
+
+def _text(kind: str, param: str, value: str | None) -> StructuredOutputs | None:
+    return None if value is None else StructuredOutputs(kind, value, param)  # type: ignore[arg-type]
+
+
+def _choice(param: str, value: list[str] | None) -> StructuredOutputs | None:
+    return None if value is None else StructuredOutputs("choice", tuple(value), param)
