@@ -25,7 +25,16 @@ from pagedserve.configs import EngineConfig, SamplingParams, SamplingParamsError
 from pagedserve.configs.engine import SECTIONS
 from pagedserve.server.app import begin_shutdown, create_app
 
-BENCHMARKS = ("throughput", "serving", "memory", "step", "attention", "block_pool", "replicas")
+BENCHMARKS = (
+    "throughput",
+    "serving",
+    "memory",
+    "step",
+    "attention",
+    "block_pool",
+    "replicas",
+    "structured",
+)
 ENGINE_SECTIONS = ("model", "cache", "scheduler")
 CONFIG_FIELDS = frozenset(name for section in SECTIONS.values() for name in section.model_fields)
 DEFAULT_GRACEFUL_SHUTDOWN_S = 10.0

@@ -80,6 +80,7 @@ class FakeEngine:
             kv_cache_usage=0.125,
             num_prompt_tokens=11,
             num_generation_tokens=5,
+            num_structured_requests=2,
         )
 
     def drain_step_token_counts(self) -> list[int]:

@@ -22,6 +22,7 @@ COUNTERS = [
     "prefix_cache_hits",
     "request_success",
     "request_aborted",
+    "structured_output_requests",
 ]
 HISTOGRAMS = [
     "time_to_first_token_seconds",
@@ -34,6 +35,7 @@ HISTOGRAMS = [
     "request_prompt_tokens",
     "request_generation_tokens",
     "iteration_tokens_total",
+    "grammar_bitmask_seconds",
 ]
 
 
@@ -65,6 +67,7 @@ def test_engine_gauges_are_read_at_scrape_time(client, engine):
     assert families["pagedserve:num_used_blocks"].samples[0].value == 1
     assert families["pagedserve:kv_cache_usage_perc"].samples[0].value == 0.125
     assert families["pagedserve:generation_tokens"].samples[0].value == 5
+    assert families["pagedserve:structured_output_requests"].samples[0].value == 2
     info = families["pagedserve:cache_config_info"].samples[0]
     assert (info.labels["block_size"], info.labels["num_blocks"]) == ("4", "8")
     assert info.labels["cache_dtype"] == "fp8_e4m3"
@@ -108,3 +111,10 @@ def test_requests_the_engine_refuses_are_not_counted_as_finished(client, engine)
     )
     assert samples.get(("pagedserve:e2e_request_latency_seconds_count", None), 0) == 0
     assert samples.get(("pagedserve:request_prompt_tokens_count", None), 0) == 0
+
+
+def test_grammar_mask_times_are_drained_into_their_histogram_at_scrape(client):
+    families = _scrape(client)  # the fake engine reports one 2 ms step per scrape
+    samples = {s.name: s.value for s in families["pagedserve:grammar_bitmask_seconds"].samples}
+    assert samples["pagedserve:grammar_bitmask_seconds_count"] == 1
+    assert samples["pagedserve:grammar_bitmask_seconds_sum"] == 0.002
