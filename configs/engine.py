@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _UNITS = {
@@ -129,12 +129,24 @@ class ServerConfig(_Section):
         1 << 20, ge=1024, description="largest accepted request body"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    enable_auto_tool_choice: bool = Field(
+        False, description="let the model decide to call tools (tool_choice auto; as vLLM)"
+    )
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None, description="how tool calls are read from free output (with auto tool choice)"
+    )
 
     @field_validator("api_key")
     @classmethod
     def _empty_key_is_no_key(cls, value: str | None) -> str | None:
         # PAGEDSERVE_API_KEY="" would otherwise require the header "Bearer " that no client sends.
         return value if value and value.strip() else None
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_needs_a_parser(self) -> ServerConfig:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes, llama3_json)")
+        return self
 
 
 class EngineConfig(_Section):

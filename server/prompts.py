@@ -16,6 +16,7 @@ from jinja2 import TemplateError
 from pagedserve.engine.client import EngineClient
 from pagedserve.server.errors import invalid_request, model_not_found
 from pagedserve.server.protocol import ChatMessage
+from pagedserve.server.tools import template_messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +80,33 @@ def completion_prompts(
     return prompts
 
 
-def chat_prompt(messages: list[ChatMessage], engine: EngineClient) -> Prompt:
-    """Render the model's chat template (with the assistant turn opened) and tokenize it."""
-    conversation = [message.to_template_message() for message in messages]
+def chat_prompt(
+    messages: list[ChatMessage], engine: EngineClient, tools: list[dict[str, Any]] | None = None
+) -> Prompt:
+    """Render the model's chat template (with the assistant turn opened) and tokenize it. With
+    `tools`, the template's `tools` argument, or the fallback block if the template ignores it."""
     try:
+        renders_tools = bool(tools) and _renders_tools(engine.tokenizer, tools or [])
+        conversation = template_messages(messages, tools or [], renders_tools)
+        extra = {"tools": tools} if renders_tools else {}
         text = engine.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False
+            conversation, add_generation_prompt=True, tokenize=False, **extra
         )
     except (ValueError, TemplateError) as exc:  # no template, or it rejects the conversation
         # (templates refuse e.g. a system role or turns that do not alternate by raising)
         raise invalid_request(f"Cannot apply the chat template: {exc}", "messages") from exc
     # The template already contains the special tokens (BOS...), so the tokenizer adds none.
     return Prompt(encode_text(engine, text, "messages", add_special_tokens=False), text)
+
+
+def _renders_tools(tokenizer: Any, tools: list[dict[str, Any]]) -> bool:
+    """Whether the template writes `tools` into the prompt (many, like SmolLM2's, ignore it)."""
+    probe = [{"role": "user", "content": "x"}]
+    plain = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+    with_tools = tokenizer.apply_chat_template(
+        probe, add_generation_prompt=True, tokenize=False, tools=tools
+    )
+    return bool(with_tools != plain)
 
 
 def resolve_max_tokens(

@@ -10,9 +10,24 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from pagedserve.configs import SamplingParams, StructuredOutputs
+from pagedserve.server.tool_protocol import (
+    NamedToolChoice,
+    RequestToolCall,
+    ToolCall,
+    ToolCallDelta,
+    ToolDefinition,
+)
 
 
 class _Request(BaseModel):
@@ -146,19 +161,32 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     name: str | None = None
+    tool_calls: list[RequestToolCall] | None = None  # assistant turns (see server/tools.py)
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+    # After tool_calls: its check reads them. None only beside an assistant's tool_calls.
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_or_calls(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is None and not (
+            info.data.get("role") == "assistant" and info.data.get("tool_calls")
+        ):
+            raise ValueError("Field required (only an assistant's tool_calls may replace it)")
+        return content
+
+    @property
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "\n".join(part.text for part in self.content)
 
     def to_template_message(self) -> dict[str, str]:
         """The dict a chat template expects; `developer` is OpenAI's newer name for `system`."""
         role = "system" if self.role == "developer" else self.role
-        content = (
-            self.content
-            if isinstance(self.content, str)
-            else "\n".join(part.text for part in self.content)
-        )
-        return {"role": role, "content": content}
+        return {"role": role, "content": self.text}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -166,6 +194,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Request):
@@ -230,7 +261,15 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_present(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -252,6 +291,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

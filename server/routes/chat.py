@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedserve.configs import StructuredOutputs
 from pagedserve.engine.outputs import TokenLogprob
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, Item, start_generation
@@ -29,6 +30,9 @@ from pagedserve.server.protocol import (
 from pagedserve.server.recorder import RequestRecorder
 from pagedserve.server.streams import EventStreamResponse, sse_events
 from pagedserve.server.structured import to_structured_outputs
+from pagedserve.server.tool_parsers import ToolCallParser
+from pagedserve.server.tool_protocol import ToolCall
+from pagedserve.server.tools import ToolPlan, plan_tools, to_tool_calls, tool_call_deltas
 
 router = APIRouter()
 
@@ -62,7 +66,8 @@ def _chat_logprobs(
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     engine = request.app.state.engine
     check_model(body.model, engine)
-    prompt = chat_prompt(body.messages, engine)
+    plan = plan_tools(body, request.app.state.config.server)
+    prompt = chat_prompt(body.messages, engine, plan.tools if plan else None)
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
@@ -77,7 +82,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         max_tokens,
         num_top,
         parse_logit_bias(body.logit_bias, engine.vocab_size),
-        to_structured_outputs(body),
+        _constraint(body, plan),
     )
     recorder = RequestRecorder(
         request.app.state.metrics,
@@ -94,45 +99,86 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         "created": int(time.time()),
         "model": engine.model_name,
     }
+    choices = [_Choice(plan.new_parser() if plan else None) for _ in range(params.n)]
     if body.stream:
         chunks = _stream_chunks(
-            stream, header, engine.tokenizer, params.n, num_top or 0, recorder, body.include_usage
+            stream, header, engine.tokenizer, choices, num_top or 0, recorder, body.include_usage
         )
         return EventStreamResponse(sse_events(chunks))
-    response = await _collect(stream, header, engine.tokenizer, params.n, num_top or 0, recorder)
+    response = await _collect(stream, header, engine.tokenizer, choices, num_top or 0, recorder)
     return JSONResponse(response.model_dump())
+
+
+def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None) -> StructuredOutputs | None:
+    requested = to_structured_outputs(body)
+    if plan is None or plan.constraint is None:
+        return requested
+    if requested is not None:
+        raise invalid_request(
+            f"tool_choice {plan.mode} constrains the output; it cannot be combined with "
+            f"{requested.param}",
+            "tool_choice",
+        )
+    return plan.constraint
+
+
+class _Choice:
+    """One choice's text as it streams; with tools, what its parser lets through."""
+
+    def __init__(self, parser: ToolCallParser | None) -> None:
+        self.parser = parser
+        self.text = ""
+        self.logprobs: ChatLogprobs | None = None
+        self.finish_reason: str | None = None
+
+    def take(self, text: str) -> str:
+        return self.parser.feed(text) if self.parser is not None else text
+
+    def finish(self, finish_reason: str | None) -> tuple[str, list[ToolCall]]:
+        """The held-back text and the calls; "stop" becomes "tool_calls" when there are calls."""
+        tail, calls = self.parser.finish() if self.parser is not None else ("", [])
+        self.finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+        return tail, to_tool_calls(calls)
 
 
 async def _stream_chunks(
     stream: AsyncIterator[Item],
     header: dict[str, Any],
     tokenizer: Any,
-    n: int,
+    choices: list[_Choice],
     num_top: int,
     recorder: RequestRecorder,
     include_usage: bool,
 ) -> AsyncIterator[str]:
     exclude = None if include_usage else {"usage"}  # "usage": null only when usage is asked for
 
-    def chunk(choice: ChatChunkChoice) -> str:
+    def chunk(index: int, delta: ChatDelta, **fields: Any) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, **fields)
         return ChatCompletionChunk(**header, choices=[choice]).model_dump_json(exclude=exclude)
 
     async with aclosing(stream):
-        for index in range(n):  # OpenAI's first chunk of every choice carries only the role
-            yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")))
+        for index in range(len(choices)):  # OpenAI's first chunk of every choice: the role
+            yield chunk(index, ChatDelta(role="assistant", content=""))
         async for _, delta in stream:
+            choice = choices[delta.index]
             logprobs = _chat_logprobs(tokenizer, delta.new_logprobs, num_top)
-            if not (delta.new_text or logprobs or delta.finished):
-                continue  # text held back by the detokenizer (partial character or stop string)
-            content = ChatDelta(content=delta.new_text) if delta.new_text else ChatDelta()
-            yield chunk(
-                ChatChunkChoice(
-                    index=delta.index,
-                    delta=content,
-                    logprobs=logprobs,
-                    finish_reason=delta.finish_reason,
-                )
-            )
+            text, calls = choice.take(delta.new_text), []
+            if delta.finished:
+                tail, calls = choice.finish(delta.finish_reason)
+                text += tail
+            if not (text or logprobs or delta.finished):
+                continue  # held back (a partial character, stop string or tool-call tag)
+            content = ChatDelta(content=text or None)
+            if not calls:
+                finish_reason = choice.finish_reason if delta.finished else None
+                yield chunk(delta.index, content, logprobs=logprobs, finish_reason=finish_reason)
+                continue
+            if text or logprobs:
+                yield chunk(delta.index, content, logprobs=logprobs)
+            for call_index, call in enumerate(calls):  # name first, then the arguments
+                for piece in tool_call_deltas(call_index, call):
+                    yield chunk(delta.index, ChatDelta(tool_calls=[piece]))
+            yield chunk(delta.index, ChatDelta(), finish_reason=choice.finish_reason)
     if include_usage:
         yield ChatCompletionChunk(**header, choices=[], usage=recorder.usage()).model_dump_json()
 
@@ -141,34 +187,40 @@ async def _collect(
     stream: AsyncIterator[Item],
     header: dict[str, Any],
     tokenizer: Any,
-    n: int,
+    choices: list[_Choice],
     num_top: int,
     recorder: RequestRecorder,
 ) -> ChatCompletionResponse:
-    texts = [""] * n
-    logprobs: list[ChatLogprobs | None] = [None] * n
-    finish_reasons: list[str | None] = [None] * n
     async with aclosing(stream):
         async for _, delta in stream:
-            texts[delta.index] += delta.new_text
+            choice = choices[delta.index]
+            choice.text += delta.new_text
             new_logprobs = _chat_logprobs(tokenizer, delta.new_logprobs, num_top)
             if new_logprobs is not None:
-                previous = logprobs[delta.index]
-                logprobs[delta.index] = (
+                previous = choice.logprobs
+                choice.logprobs = (
                     new_logprobs
                     if previous is None
                     else ChatLogprobs(
                         content=(previous.content or []) + (new_logprobs.content or [])
                     )
                 )
-            finish_reasons[delta.index] = delta.finish_reason or finish_reasons[delta.index]
-    choices = [
-        ChatChoice(
-            index=index,
-            message=ChatResponseMessage(content=texts[index]),
-            logprobs=logprobs[index],
-            finish_reason=finish_reasons[index],
+            choice.finish_reason = delta.finish_reason or choice.finish_reason
+    results = []
+    for index, choice in enumerate(choices):
+        content = choice.take(choice.text)
+        tail, calls = choice.finish(choice.finish_reason)
+        content += tail
+        message = ChatResponseMessage(
+            content=None if calls and not content.strip() else content,
+            tool_calls=calls or None,
         )
-        for index in range(n)
-    ]
-    return ChatCompletionResponse(**header, choices=choices, usage=recorder.usage())
+        results.append(
+            ChatChoice(
+                index=index,
+                message=message,
+                logprobs=choice.logprobs,
+                finish_reason=choice.finish_reason,
+            )
+        )
+    return ChatCompletionResponse(**header, choices=results, usage=recorder.usage())

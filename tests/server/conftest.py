@@ -30,7 +30,11 @@ class ByteTokenizer:
         return bytes(token_id for token_id in token_ids if token_id < 256).decode(errors="replace")
 
     def apply_chat_template(
-        self, conversation: list[dict[str, str]], add_generation_prompt: bool, tokenize: bool
+        self,
+        conversation: list[dict[str, str]],
+        add_generation_prompt: bool,
+        tokenize: bool,
+        tools: object = None,  # ignored, as many real templates do
     ) -> str:
         text = "".join(f"<{message['role']}>{message['content']}\n" for message in conversation)
         return text + ("<assistant>" if add_generation_prompt else "")
@@ -59,6 +63,7 @@ class FakeEngine:
         self.scheduling_policy = "fcfs"
         self.priorities: dict[str, int] = {}
         self.in_flight = 0
+        self.script = ""  # when set, every choice writes this text (ASCII) instead of letters
 
     async def start(self) -> None:
         self.started = True
@@ -89,10 +94,9 @@ class FakeEngine:
     def drain_grammar_mask_times(self) -> list[float]:
         return [0.002]
 
-    @staticmethod
-    def _token(choice: int, step: int, params: SamplingParams) -> int:
-        letters = "abcdefgh"[choice:]
-        return ord(letters[step]) if step < len(letters) and not params.ignore_eos else EOS_TOKEN_ID
+    def _token(self, choice: int, step: int, params: SamplingParams) -> int:
+        letters = self.script.encode() if self.script else "abcdefgh"[choice:].encode()
+        return letters[step] if step < len(letters) and not params.ignore_eos else EOS_TOKEN_ID
 
     async def generate(
         self,

@@ -47,7 +47,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     (
         "/v1/chat/completions",
-        {"messages": [{"role": "tool", "content": "x"}]},
+        {"messages": [{"role": "robot", "content": "x"}]},
         400,
         "messages[0].role",
     ),

@@ -1,0 +1,206 @@
+"""Tool calling for chat completions: check `tools` / `tool_choice`, put the tools into the prompt
+(the chat template's `tools` argument, or a Hermes-style system block when the template ignores
+them), force "required" and named calls through the structured-output layer, and say which parser
+reads the calls back. Everything here runs before the request is queued."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.configs import ServerConfig, StructuredOutputs
+from pagedserve.server.errors import invalid_request
+from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
+from pagedserve.server.tool_parsers import PARSERS, ParsedCall, ToolCallParser
+from pagedserve.server.tool_parsers.hermes import HermesParser
+from pagedserve.server.tool_protocol import (
+    FunctionCall,
+    FunctionCallDelta,
+    ToolCall,
+    ToolCallDelta,
+)
+
+JSON_SCHEMA_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+NO_ARGUMENTS = {"type": "object", "properties": {}}
+# The fallback block (Hermes 2 Pro's wording), for templates that do not render `tools`.
+HERMES_SYSTEM = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user query. "
+    "Don't make assumptions about what values to plug into functions. Here are the available "
+    "tools:\n<tools>\n{tools}\n</tools>\nFor each function call return a json object with "
+    "function name and arguments within <tool_call></tool_call> XML tags as follows:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """How one request uses its tools. mode: none | auto | required | named."""
+
+    mode: str
+    tools: list[dict[str, Any]]  # OpenAI's tool objects, for the template or the fallback block
+    parser_name: str | None  # auto: the server's --tool-call-parser
+    named: str | None = None
+    constraint: StructuredOutputs | None = None
+
+    def new_parser(self) -> ToolCallParser | None:
+        if self.mode in ("required", "named"):
+            return ForcedCallsParser(self.named)
+        if self.mode == "auto" and self.parser_name is not None:
+            return PARSERS[self.parser_name]()
+        return None
+
+
+def plan_tools(body: ChatCompletionRequest, server: ServerConfig) -> ToolPlan | None:
+    """Raises a 400 naming the parameter for a tool_choice without tools, an unknown named tool,
+    a parameters schema that is not a JSON Schema object, or auto without the server's parser."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise invalid_request("tool_choice needs tools", "tool_choice")
+        return None
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    schemas = {tool.function.name: _parameters(tool.function.parameters) for tool in body.tools}
+    if choice == "none":
+        return ToolPlan("none", [], None)
+    if choice is None or choice == "auto":
+        if not server.enable_auto_tool_choice:
+            raise invalid_request(
+                'tool_choice "auto" needs the server\'s --enable-auto-tool-choice and '
+                '--tool-call-parser; use "required" or a named tool',
+                "tool_choice",
+            )
+        return ToolPlan("auto", tools, server.tool_call_parser)
+    if choice == "required":
+        calls = {
+            "type": "array",
+            "minItems": 1,
+            "items": {"anyOf": [_call_schema(name, s) for name, s in schemas.items()]},
+        }
+        if not body.parallel_tool_calls:
+            calls["maxItems"] = 1
+        constraint = StructuredOutputs("json", json.dumps(calls), "tools")
+        return ToolPlan("required", tools, None, constraint=constraint)
+    name = choice.function.name
+    if name not in schemas:
+        raise invalid_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+    constraint = StructuredOutputs("json", json.dumps(schemas[name]), "tools")
+    return ToolPlan("named", tools, None, named=name, constraint=constraint)
+
+
+def _parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
+    if schema is None:
+        return NO_ARGUMENTS
+    kind = schema.get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise invalid_request("a tool's parameters must be a JSON Schema of an object", "tools")
+    return schema
+
+
+def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"enum": [name]}, "arguments": parameters},
+        "required": ["name", "arguments"],
+    }
+
+
+def template_messages(
+    messages: list[ChatMessage], tools: list[dict[str, Any]], renders_tools: bool
+) -> list[dict[str, Any]]:
+    """Messages as the template expects them. A template that renders tools gets assistant
+    calls with their arguments decoded and `tool_call_id`s; otherwise the calls and results are
+    written in the fallback's Hermes tags and the tools go into a system block."""
+    conversation = []
+    for message in messages:
+        entry: dict[str, Any] = message.to_template_message()
+        calls = message.tool_calls or []
+        if renders_tools:
+            if calls:
+                entry["tool_calls"] = [_template_call(call.id, call.function) for call in calls]
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
+        elif calls:
+            blocks = [
+                "<tool_call>\n" + json.dumps(_template_call(c.id, c.function)["function"])
+                for c in calls
+            ]
+            entry["content"] = "\n".join(
+                [entry["content"], *(b + "\n</tool_call>" for b in blocks)]
+            )
+            entry["content"] = entry["content"].strip()
+        elif message.role == "tool":
+            entry["content"] = f"<tool_response>\n{entry['content']}\n</tool_response>"
+        conversation.append(entry)
+    if tools and not renders_tools:
+        block = HERMES_SYSTEM.format(tools="\n".join(json.dumps(tool) for tool in tools))
+        if conversation and conversation[0]["role"] == "system":
+            conversation[0] = {
+                **conversation[0],
+                "content": conversation[0]["content"] + "\n\n" + block,
+            }
+        else:
+            conversation.insert(0, {"role": "system", "content": block})
+    return conversation
+
+
+def _template_call(call_id: str, function: FunctionCall) -> dict[str, Any]:
+    try:
+        arguments: Any = json.loads(function.arguments)
+    except ValueError:
+        arguments = function.arguments  # left as sent
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": function.name, "arguments": arguments},
+    }
+
+
+class ForcedCallsParser:
+    """Reads the JSON the constraint forced: a named tool's arguments, or for "required" a list
+    of `{"name", "arguments"}`. Nothing streams as content; a reply cut short (length) is text."""
+
+    def __init__(self, named: str | None) -> None:
+        self._named = named
+        self._text = ""
+
+    def feed(self, text: str) -> str:
+        self._text += text
+        return ""
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        try:
+            value = json.loads(self._text)
+        except ValueError:
+            return self._text, []
+        if self._named is not None:
+            return "", [ParsedCall(self._named, json.dumps(value, ensure_ascii=False))]
+        parser = HermesParser()
+        blocks = "".join(f"<tool_call>{json.dumps(call)}</tool_call>" for call in value)
+        parser.feed(blocks)
+        return parser.finish()
+
+
+def to_tool_calls(calls: list[ParsedCall]) -> list[ToolCall]:
+    return [
+        ToolCall(
+            id=f"call_{uuid.uuid4().hex[:24]}",
+            function=FunctionCall(name=call.name, arguments=call.arguments),
+        )
+        for call in calls
+    ]
+
+
+def tool_call_deltas(index: int, call: ToolCall) -> list[ToolCallDelta]:
+    """OpenAI's streamed shape of one call: id, type and name (empty arguments), then arguments."""
+    return [
+        ToolCallDelta(
+            index=index,
+            id=call.id,
+            type="function",
+            function=FunctionCallDelta(name=call.function.name, arguments=""),
+        ),
+        ToolCallDelta(index=index, function=FunctionCallDelta(arguments=call.function.arguments)),
+    ]

@@ -1,0 +1,131 @@
+"""Tool calling at the HTTP layer (fake engine): checks before queueing, the fallback prompt block,
+the constraint that forces "required" and named calls, and the auto parser's response shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.conftest import FakeEngine
+
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture(autouse=True)
+def long_context(engine: FakeEngine) -> None:
+    engine.max_model_len = 4096  # the fallback tools block alone is ~800 byte tokens
+
+
+def _chat(client, **fields):
+    return client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **fields})
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        ({"tools": [WEATHER]}, "tool_choice"),  # auto, but the server has no parser
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+    ],
+)
+def test_bad_tool_requests_are_400s_naming_the_parameter(client, engine, fields, param):
+    response = _chat(client, **fields)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert engine.requests == []
+
+
+def test_required_forces_a_list_of_calls_to_the_given_tools(client, engine: FakeEngine):
+    assert _chat(client, tools=[WEATHER, ADD], tool_choice="required").status_code == 200
+    [(_, prompt, params)] = engine.requests
+    constraint = params.structured_outputs
+    assert (constraint.kind, constraint.param) == ("json", "tools")
+    schema = json.loads(constraint.spec)
+    assert schema["minItems"] == 1 and "maxItems" not in schema
+    names = [option["properties"]["name"]["enum"] for option in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["add"]]
+    text = bytes(prompt).decode()
+    assert "<tools>" in text and '"get_weather"' in text  # the fake template ignores tools
+
+
+def test_named_tool_forces_its_arguments_schema_and_one_call(client, engine: FakeEngine):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    _chat(client, tools=[WEATHER, ADD], tool_choice=choice, parallel_tool_calls=False)
+    [(_, _, params)] = engine.requests
+    assert json.loads(params.structured_outputs.spec) == WEATHER["function"]["parameters"]
+
+
+def test_tool_choice_none_renders_no_tools_and_constrains_nothing(client, engine: FakeEngine):
+    assert _chat(client, tools=[WEATHER], tool_choice="none").status_code == 200
+    [(_, prompt, params)] = engine.requests
+    assert params.structured_outputs is None
+    assert "<tools>" not in bytes(prompt).decode()
+
+
+def test_assistant_calls_and_tool_results_render_in_the_fallback_tags(client, engine: FakeEngine):
+    messages = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "22C"},
+    ]
+    response = client.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 4},
+    )
+    assert response.status_code == 200, response.text
+    text = bytes(engine.requests[0][1]).decode()
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<tool>\n<tool_response>\n22C\n</tool_response>" in text.replace("<tool><", "<tool>\n<")
+
+
+def test_auto_with_the_hermes_parser_returns_openai_tool_calls(client_with, engine: FakeEngine):
+    client = client_with(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "P"}}</tool_call>'
+    engine.script = call  # the fake engine writes this text
+    body = _chat(client, tools=[WEATHER], max_tokens=len(call) + 1).json()
+    [choice] = body["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None
+    [tool_call] = choice["message"]["tool_calls"]
+    assert tool_call["id"].startswith("call_") and tool_call["type"] == "function"
+    assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "P"}'}
