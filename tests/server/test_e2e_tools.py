@@ -1,0 +1,197 @@
+"""End to end: tool calling on a real server with the default model, through the official `openai`
+client and the OpenAI Agents SDK. "required" and named tool_choice must always return calls whose
+arguments validate against the tool's schema; streamed deltas must concatenate to the same calls."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import jsonschema
+import openai
+import pytest
+
+from tests.server_process import ServerProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ENGINE_FLAGS = ("--max-model-len", "2048", "--num-kv-blocks", "384", "--block-size", "16")
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+MAX_TOKENS = 120
+USER = [{"role": "user", "content": "What is the weather in Paris, and book me a table for two."}]
+
+
+def _tool(name: str, description: str, parameters: dict) -> dict:
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
+
+
+TOOLS = [
+    _tool(
+        "get_weather",
+        "Current weather for a city",
+        {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 24},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    ),
+    _tool(
+        "book_table",
+        "Book a restaurant table",
+        {
+            "type": "object",
+            "properties": {
+                "party": {"type": "integer", "minimum": 1, "maximum": 12},
+                "when": {
+                    "type": "object",
+                    "properties": {
+                        "day": {"enum": ["today", "tomorrow"]},
+                        "hour": {"type": "integer", "minimum": 11, "maximum": 23},
+                    },
+                    "required": ["day", "hour"],
+                },
+            },
+            "required": ["party", "when"],
+        },
+    ),
+]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    process = ServerProcess(*ENGINE_FLAGS, *TOOL_FLAGS)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def _check_calls(message, allowed: set[str]) -> None:
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "book_table"}}],
+    ids=["required", "named"],
+)
+@pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (1.0, 5)])
+def test_forced_tool_choice_always_returns_valid_calls(
+    client, model_name, tool_choice, temperature, seed
+):
+    completion = client.chat.completions.create(
+        model=model_name,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        temperature=temperature,
+        seed=seed,
+        max_tokens=MAX_TOKENS,
+        n=2 if temperature else 1,
+        # Sampled freely, a small model keeps appending parallel calls until max_tokens.
+        parallel_tool_calls=not temperature,
+    )
+    allowed = set(SCHEMAS) if tool_choice == "required" else {"book_table"}
+    for choice in completion.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        _check_calls(choice.message, allowed)
+
+
+def test_streamed_tool_call_deltas_concatenate_to_the_same_calls(client, model_name):
+    request = dict(
+        model=model_name, messages=USER, tools=TOOLS, tool_choice="required", temperature=0
+    )
+    whole = client.chat.completions.create(**request, max_tokens=MAX_TOKENS).choices[0]
+    calls: dict[int, dict[str, str]] = {}
+    reasons = []
+    for chunk in client.chat.completions.create(**request, max_tokens=MAX_TOKENS, stream=True):
+        for choice in chunk.choices:
+            reasons.append(choice.finish_reason)
+            for piece in choice.delta.tool_calls or []:
+                call = calls.setdefault(piece.index, {"name": "", "arguments": ""})
+                call["name"] += piece.function.name or ""
+                call["arguments"] += piece.function.arguments or ""
+    assert reasons[-1] == "tool_calls"
+    expected = [
+        {"name": call.function.name, "arguments": call.function.arguments}
+        for call in whole.message.tool_calls
+    ]
+    assert [calls[index] for index in sorted(calls)] == expected
+
+
+def test_a_tool_result_follow_up_is_accepted_and_answered(client, model_name):
+    first = (
+        client.chat.completions.create(
+            model=model_name,
+            messages=USER,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+        )
+        .choices[0]
+        .message
+    )
+    call = first.tool_calls[0]
+    follow_up = client.chat.completions.create(
+        model=model_name,
+        messages=[
+            *USER,
+            first.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 22 degrees."},
+        ],
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
+        max_tokens=24,
+    ).choices[0]
+    assert follow_up.finish_reason in ("stop", "length")
+    assert follow_up.message.content
+
+
+def test_agents_sdk_runs_a_turn_with_a_function_tool(server, model_name):
+    agents = pytest.importorskip("agents")  # the test extra installs it
+    agents.set_tracing_disabled(True)
+    cities: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Current weather for a city."""
+        cities.append(city)
+        return f"The weather in {city} is sunny and 22 degrees."
+
+    model = agents.OpenAIChatCompletionsModel(
+        model=model_name,
+        openai_client=openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused"),
+    )
+    agent = agents.Agent(
+        name="weather",
+        instructions="Answer weather questions with the get_weather tool.",
+        tools=[get_weather],
+        model=model,
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=60),
+        tool_use_behavior="stop_on_first_tool",  # the tool's result is the turn's final answer
+    )
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?")
+    assert len(cities) == 1 and cities[0]
+    assert result.final_output == f"The weather in {cities[0]} is sunny and 22 degrees."
