@@ -89,6 +89,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         if self.engine is None:
             self.engine = await asyncio.to_thread(LLMEngine, self.config)
+        await asyncio.to_thread(self.engine.structured.compiler.prepare)
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()
 

@@ -70,6 +70,11 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return future
 
+    def prepare(self) -> None:
+        """Read the vocabulary now. HF fast tokenizers are not safe to use from two threads at
+        once ("Already borrowed"): a server calls this before it tokenizes any request."""
+        self._xgrammar_compiler()
+
     def compile(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
         """Blocking `submit` (the offline API)."""
         return self.submit(constraint).result()
