@@ -24,6 +24,7 @@ from pagedserve.engine.errors import (
     EngineOverloadedError,
     RequestFailedError,
 )
+from pagedserve.engine.inputs import ValidatedRequest
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import EngineStats, RequestDelta
 
@@ -118,14 +119,7 @@ class AsyncEngine:
             request_id, prompt_token_ids, params, time.monotonic(), priority
         )
         if params.structured_outputs is not None:
-            # Compiled on the grammar pool (cached by constraint): neither the event loop nor the
-            # engine thread waits for it; a malformed constraint raises here, nothing queued.
-            grammar = await asyncio.wrap_future(
-                self._engine.structured.compiler.submit(params.structured_outputs)
-            )
-            validated = dataclasses.replace(validated, grammar=grammar)
-            if not self.is_alive or self._stopping.is_set():
-                raise EngineDeadError(self._dead_reason or "the engine is not running")
+            validated = await self._compiled(validated)
         if len(self._streams) >= self.max_waiting_requests:
             raise EngineOverloadedError(f"{len(self._streams)} requests are in flight; retry later")
         if request_id in self._streams or request_id in self._closing:
@@ -146,6 +140,16 @@ class AsyncEngine:
             if num_finished < params.n:  # closed early: client gone, cancelled, or failed
                 self._closing.add(request_id)
                 self._commands.put(("close", request_id))
+
+    async def _compiled(self, validated: ValidatedRequest) -> ValidatedRequest:
+        """Compile the constraint on the grammar pool (cached by constraint): neither the event
+        loop nor the engine thread waits for it. A malformed one raises here, nothing queued."""
+        constraint = validated.params.structured_outputs
+        assert constraint is not None
+        grammar = await asyncio.wrap_future(self._engine.structured.compiler.submit(constraint))
+        if not self.is_alive or self._stopping.is_set():
+            raise EngineDeadError(self._dead_reason or "the engine is not running")
+        return dataclasses.replace(validated, grammar=grammar)
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

@@ -154,14 +154,12 @@ class LLMEngine:
             return []
         self._count_step(plan)
         rows = self.outputs.sampling_rows(plan)
-        matchers = self.outputs.matchers(rows)
         try:
-            logits = self.runner.execute(plan)  # [num sampling sequences, vocab_size]
-            self.structured.apply(logits, matchers)  # constrained rows, before any sampling
+            logits = self._forward(plan, rows)
         except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("forward pass failed; failing %d sequences", len(plan.requests))
             return self.outputs.fail({s.sequence_id: error for s in plan.requests})
-        sampled = self._sample(rows, matchers, logits)
+        sampled = self._sample(rows, logits)
         deltas = self.outputs.fail(sampled.errors)  # before the update: they have no token
         updates = self.scheduler.update_from_output(plan, ModelRunnerOutput(sampled.token_ids))
         return deltas + self.outputs.process(updates, sampled.logprobs)
@@ -170,11 +168,18 @@ class LLMEngine:
         self.num_steps += 1
         self.step_token_counts.append(plan.num_batched_tokens)
 
-    def _sample(
-        self, rows: list[SamplingRow], matchers: list[Matcher | None], logits: torch.Tensor
-    ) -> SampledBatch:
+    def _forward(self, plan: SchedulerOutput, rows: list[SamplingRow]) -> torch.Tensor:
+        """Logits [num sampling sequences, vocab_size]; constrained rows masked by their grammar,
+        before any sampling (the logits-processor seam)."""
+        logits = self.runner.execute(plan)
+        self.structured.apply(logits, self.outputs.matchers(rows))
+        return logits
+
+    def _sample(self, rows: list[SamplingRow], logits: torch.Tensor) -> SampledBatch:
         sampled = SampledBatch.split(rows, self.sampler.sample(logits, rows))
-        for row, matcher in zip(rows, matchers, strict=True):  # grammars follow their tokens
+        for row, matcher in zip(
+            rows, self.outputs.matchers(rows), strict=True
+        ):  # grammars follow their tokens
             token_id = sampled.token_ids.get(row.sequence_id)
             if (
                 matcher is not None
