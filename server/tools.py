@@ -124,13 +124,11 @@ def template_messages(
                 entry["tool_call_id"] = message.tool_call_id
         elif calls:
             blocks = [
-                "<tool_call>\n" + json.dumps(_template_call(c.id, c.function)["function"])
+                f"<tool_call>\n{json.dumps(_template_call(c.id, c.function)['function'])}\n"
+                "</tool_call>"
                 for c in calls
             ]
-            entry["content"] = "\n".join(
-                [entry["content"], *(b + "\n</tool_call>" for b in blocks)]
-            )
-            entry["content"] = entry["content"].strip()
+            entry["content"] = "\n".join([entry["content"], *blocks]).strip()
         elif message.role == "tool":
             entry["content"] = f"<tool_response>\n{entry['content']}\n</tool_response>"
         conversation.append(entry)

@@ -5,6 +5,7 @@ recompute preemption, n > 1 and a dead end (which ends the choice with an error,
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import jsonschema
@@ -151,3 +152,19 @@ def test_engine_refuses_a_malformed_constraint_naming_its_parameter(engine, cons
     assert raised.value.param == constraint.param
     assert fragment in str(raised.value) and "/project/" not in str(raised.value)
     assert not engine.has_unfinished_requests()
+
+
+def test_engine_logprobs_see_the_constrained_distribution(engine):
+    # Masking happens before sampling: the reported distribution holds only grammar tokens.
+    constraint = StructuredOutputs("choice", ("yes", "no"))
+    engine.add_request("lp", [1, 2, 3], _constrained(constraint, logprobs=20, max_tokens=4))
+    first = None
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            first = first or (delta.new_logprobs or (None,))[0]
+    assert first is not None
+    alternatives = [(t, lp) for t, lp in first.top_logprobs if lp > float("-inf")]
+    assert sum(math.exp(lp) for _, lp in alternatives) == pytest.approx(1.0, abs=1e-4)
+    for token_id, _ in alternatives:
+        piece = engine.tokenizer.decode([token_id])
+        assert "yes".startswith(piece) or "no".startswith(piece), piece
