@@ -40,7 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads")
-    parser.add_argument("--output", default=str(RESULTS_DIR / "structured.json"))
+    parser.add_argument(
+        "--output", default=str(RESULTS_DIR / "structured.json"), help="result JSON"
+    )
     return parser.parse_args(argv)
 
 
