@@ -313,16 +313,14 @@ def test_a_sampling_error_fails_only_its_request(h, monkeypatch):
 
 
 def test_a_bug_while_adding_a_request_fails_only_that_request_with_a_500(h, monkeypatch):
-    original = h.llm.add_request
+    original = h.llm.add_validated_request  # what the engine thread runs for an "add"
 
-    def failing_add_request(
-        request_id: str, prompt_token_ids: list[int], params: Any, **kwargs: Any
-    ) -> None:
-        if params.seed == SENTINEL_SEED:
+    def failing_add_validated_request(request: Any) -> None:
+        if request.params.seed == SENTINEL_SEED:
             raise KeyError("injected add fault")
-        original(request_id, prompt_token_ids, params, **kwargs)
+        original(request)
 
-    monkeypatch.setattr(h.llm, "add_request", failing_add_request)
+    monkeypatch.setattr(h.llm, "add_validated_request", failing_add_validated_request)
     response = httpx.post(
         f"{h.url}/v1/completions",
         timeout=60,
