@@ -40,10 +40,12 @@ replicas: install
 	$(VENV)/bin/pagedserve replicas -n $(REPLICAS) --host $(HOST) --port $(PORT) --policy $(POLICY)
 
 test: install lint
-	# Debian packages for two tests (no-op if present): a real Prometheus scrapes the server, and
-	# docker-compose validates docker-compose.yml (`config` needs no Docker daemon).
+	# Debian packages for three tests (no-op if present): a real Prometheus scrapes the server,
+	# docker-compose validates docker-compose.yml (`config` needs no Docker daemon), and headless
+	# Chromium loads /dashboard.
 	bash .ci/install-prometheus.sh
 	bash .ci/install-debian-package.sh docker-compose docker-compose
+	bash .ci/install-debian-package.sh chromium chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install

@@ -4,13 +4,14 @@
 and `attention/` are the only tensor code here.
 """
 
-from pagedserve.cache.block_manager import BlockManager
+from pagedserve.cache.block_manager import BlockManager, BlockManagerSnapshot
 from pagedserve.cache.block_pool import Block, BlockPool, DoubleFreeError, OutOfBlocksError
 from pagedserve.cache.block_table import BlockTable
 
 __all__ = [
     "Block",
     "BlockManager",
+    "BlockManagerSnapshot",
     "BlockPool",
     "BlockTable",
     "DoubleFreeError",

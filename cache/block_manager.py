@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 from pagedserve.cache.block_pool import BlockPool
 from pagedserve.cache.block_table import BlockTable, ceil_div
@@ -28,6 +29,23 @@ def hash_block(parent_hash: int, token_ids: Sequence[int], extra_key: Hashable =
     if extra_key is not None:
         hasher.update(repr(extra_key).encode())
     return int.from_bytes(hasher.digest(), "little")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockManagerSnapshot:
+    """A copy of the block bookkeeping at one instant: plain values, safe to read on any thread.
+
+    Columns are indexed by block id. A block is free when its ref count is 0; a free block whose
+    hash is still registered is "cached-free" (a later identical prefix can revive it).
+    """
+
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int
+    enable_prefix_caching: bool
+    ref_counts: list[int]
+    is_hashed: list[bool]  # registered in the prefix-cache index under its chained hash
+    tables: dict[str, list[int]]  # sequence id -> block ids in logical order
 
 
 class BlockManager:
@@ -195,6 +213,25 @@ class BlockManager:
         if table is not None:
             # Tail first: the tail is the least likely to be shared, so it is evicted first.
             self.pool.free(self.pool.blocks[block_id] for block_id in reversed(table.block_ids))
+
+    def snapshot(self) -> BlockManagerSnapshot:
+        """Copy every block's ref count and hash flag, and every table (O(num_blocks), no mutation).
+
+        Flat lists, not an object per block: it runs on the engine thread between steps, and a
+        poller must not slow the steps down (benchmarks/engine_state.py measures it).
+        """
+        blocks = self.pool.blocks
+        return BlockManagerSnapshot(
+            block_size=self.block_size,
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            enable_prefix_caching=self.pool.enable_prefix_caching,
+            ref_counts=[block.ref_count for block in blocks],
+            is_hashed=[block.block_hash is not None for block in blocks],
+            tables={
+                sequence_id: list(table.block_ids) for sequence_id, table in self.tables.items()
+            },
+        )
 
     def check_invariants(self) -> None:
         """Raise RuntimeError unless ref counts match the tables exactly (plus the pool's own)."""

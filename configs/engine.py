@@ -6,6 +6,7 @@ unique across sections, so a flat CLI flag or env var maps to exactly one sectio
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Literal
 
@@ -38,6 +39,16 @@ def parse_bytes(text: str | int) -> int:
     if not match or match.group(2).upper() not in _UNITS:
         raise ValueError(f"cannot parse a byte size from {text!r} (try '512MiB' or '2GiB')")
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether binding `host` serves this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 class _Section(BaseModel):
@@ -135,6 +146,19 @@ class ServerConfig(_Section):
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None, description="how tool calls are read from free output (with auto tool choice)"
     )
+    # The state lists request ids and block tables (no text): fine on a loopback bind, a choice to
+    # make on a public one.
+    enable_engine_state: bool | None = Field(
+        None,
+        description="serve GET /v1/engine/state and the /dashboard page "
+        "(default: on when --host is a loopback address)",
+    )
+
+    @property
+    def engine_state_enabled(self) -> bool:
+        if self.enable_engine_state is not None:
+            return self.enable_engine_state
+        return is_loopback_host(self.host)
 
     @field_validator("api_key")
     @classmethod

@@ -21,13 +21,17 @@ from pagedserve.engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
+from pagedserve.engine.state import BLOCK_STATES, BlockInfo, EngineState
 
 __all__ = [
+    "BLOCK_STATES",
+    "BlockInfo",
     "CompletionOutput",
     "EngineClient",
     "EngineDeadError",
     "EngineError",
     "EngineOverloadedError",
+    "EngineState",
     "EngineStats",
     "InvalidRequestError",
     "RequestDelta",

@@ -27,10 +27,13 @@ from pagedserve.engine.errors import (
 from pagedserve.engine.inputs import ValidatedRequest
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import EngineStats, RequestDelta
+from pagedserve.engine.state import EngineState, RawEngineState, build_engine_state
+from pagedserve.scheduler.snapshot import snapshot_plan, snapshot_scheduler
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # how long an idle engine thread blocks on its command queue
+_STATE_TIMEOUT_S = 30.0  # a snapshot waits for at most the step in progress; this is a backstop
 
 
 class AsyncEngine:
@@ -48,6 +51,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
         self._dead_reason: str | None = None
+        self._pending_states: set[asyncio.Future[RawEngineState]] = set()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -157,6 +161,22 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._engine.stats() if self.engine is not None else EngineStats()
 
+    async def engine_state(self) -> EngineState:
+        """A snapshot of the block pool and the queues, taken on the engine thread between steps
+        (queued like add/abort, so it waits for at most the step in progress)."""
+        if not self.is_alive or self._loop is None:
+            raise EngineDeadError(self._dead_reason or "the engine is not running")
+        future: asyncio.Future[RawEngineState] = self._loop.create_future()
+        self._pending_states.add(future)
+        self._commands.put(("state", future))
+        try:
+            raw = await asyncio.wait_for(future, _STATE_TIMEOUT_S)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            raise EngineDeadError("the engine did not answer a state request in time") from None
+        finally:
+            self._pending_states.discard(future)
+        return build_engine_state(raw)
+
     def drain_step_token_counts(self) -> list[int]:
         counts = self.engine.step_token_counts if self.engine is not None else None
         drained = []
@@ -222,10 +242,29 @@ class AsyncEngine:
             return []
         if command == "abort":
             return engine.abort_request(payload)
+        if command == "state":
+            self._call_in_loop(_settle, payload, self._take_state())
+            return []
         if command == "close":  # nobody reads its deltas any more; after the abort, free the id
             engine.abort_request(payload)
             self._call_in_loop(self._closing.discard, payload)
         return []
+
+    def _take_state(self) -> RawEngineState | Exception:
+        engine = self._engine
+        plan, token_budget = engine.last_plan, engine.scheduler.config.max_num_batched_tokens
+        try:
+            return RawEngineState(
+                time=time.time(),
+                num_steps=engine.num_steps,
+                blocks=engine.block_manager.snapshot(),
+                scheduler=snapshot_scheduler(engine.scheduler),
+                last_plan=None if plan is None else snapshot_plan(plan, token_budget),
+                stats=engine.stats(),
+            )
+        except Exception as error:  # noqa: BLE001 - a bug in a snapshot must not stop serving
+            logger.exception("engine state snapshot failed")
+            return RequestFailedError(f"The engine state snapshot failed ({type(error).__name__}).")
 
     def _send_error(self, request_id: str, error: Exception) -> None:
         self._call_in_loop(self._put, request_id, error)
@@ -252,3 +291,15 @@ class AsyncEngine:
     def _fail_all(self, error: Exception) -> None:
         for stream in self._streams.values():
             stream.put_nowait(error)
+        for future in self._pending_states:
+            _settle(future, error)
+
+
+def _settle(future: asyncio.Future[Any], result: Any) -> None:
+    """Resolve `future` (on its loop) unless its waiter already gave up."""
+    if future.done():
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 from pagedserve.configs import SamplingParams
 from pagedserve.engine.outputs import EngineStats, RequestDelta
+from pagedserve.engine.state import EngineState
 
 
 class EngineClient(Protocol):
@@ -39,6 +40,10 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    async def engine_state(self) -> EngineState:
+        """The block pool and the queues between two steps (raises EngineDeadError if down)."""
+        ...
 
     def drain_step_token_counts(self) -> list[int]:
         """Tokens scheduled in each engine step since the last call (for a histogram)."""

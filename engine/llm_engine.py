@@ -78,6 +78,7 @@ class LLMEngine:
             self.scheduler.check_admissible,
         )
         self.num_steps = 0
+        self.last_plan: SchedulerOutput | None = None  # the last non-empty step's, for its state
         self.step_token_counts: deque[int] = deque(maxlen=100_000)
 
     # ---- requests in -----------------------------------------------------------------------
@@ -166,6 +167,7 @@ class LLMEngine:
 
     def _count_step(self, plan: SchedulerOutput) -> None:
         self.num_steps += 1
+        self.last_plan = plan
         self.step_token_counts.append(plan.num_batched_tokens)
 
     def _forward(self, plan: SchedulerOutput, rows: list[SamplingRow]) -> torch.Tensor:

@@ -12,14 +12,28 @@ from pagedserve.scheduler.output import (
 )
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.snapshot import (
+    PlannedRequest,
+    PlanSnapshot,
+    RequestSnapshot,
+    SchedulerSnapshot,
+    snapshot_plan,
+    snapshot_scheduler,
+)
 
 __all__ = [
     "AdmissionError",
     "ModelRunnerOutput",
+    "PlanSnapshot",
+    "PlannedRequest",
     "Request",
+    "RequestSnapshot",
     "RequestStatus",
     "RequestUpdate",
     "ScheduledRequest",
     "Scheduler",
     "SchedulerOutput",
+    "SchedulerSnapshot",
+    "snapshot_plan",
+    "snapshot_scheduler",
 ]

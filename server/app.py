@@ -18,7 +18,15 @@ from pagedserve.server.middleware import (
     BodyLimitMiddleware,
     RequestContextMiddleware,
 )
-from pagedserve.server.routes import chat, completions, models, router_support, system, tokenize
+from pagedserve.server.routes import (
+    chat,
+    completions,
+    engine_state,
+    models,
+    router_support,
+    system,
+    tokenize,
+)
 
 
 @asynccontextmanager
@@ -57,7 +65,7 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
     # strict_content_type=False: a JSON body without a Content-Type header is still parsed.
     app = FastAPI(title="pagedserve", lifespan=_lifespan, strict_content_type=False)
     app.state.config, app.state.engine = config, engine
-    for family in (completions, chat, models, tokenize, system, router_support):
+    for family in (completions, chat, models, tokenize, system, router_support, engine_state):
         app.include_router(family.router)
     install_exception_handlers(app)
     # Added innermost first: context (outermost) -> auth -> body limit -> app, so that

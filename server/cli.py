@@ -34,6 +34,7 @@ BENCHMARKS = (
     "block_pool",
     "replicas",
     "structured",
+    "engine_state",
 )
 ENGINE_SECTIONS = ("model", "cache", "scheduler")
 CONFIG_FIELDS = frozenset(name for section in SECTIONS.values() for name in section.model_fields)

@@ -14,9 +14,12 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.server.errors import APIError
+from pagedserve.server.routes.engine_state import DASHBOARD_FILES
 
-# Probes and scrapers must work without the key; everything else, unknown paths included, needs it.
-UNGUARDED_PATHS = frozenset({"/health", "/version", "/metrics"})
+# Probes and scrapers must work without the key, and so must the dashboard's static files (a
+# browser cannot send the key with a page load; the page sends it with its state requests).
+# Everything else, unknown paths included, needs it.
+UNGUARDED_PATHS = frozenset({"/health", "/version", "/metrics", *DASHBOARD_FILES})
 
 
 class RequestContextMiddleware:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.benchmarks import attention, memory, serving, step, throughput
+from pagedserve.benchmarks import attention, engine_state, memory, serving, step, throughput
 from pagedserve.benchmarks.workload import (
     WorkloadConfig,
     build_prompts,
@@ -261,3 +261,25 @@ def test_serving_benchmark_streams_from_its_own_server(tmp_path):
     (row,) = read_results(output)
     assert row["num_completed"] == 2 and row["num_errors"] == 0
     assert row["ttft_ms_p50"] > 0 and row["e2e_ms_p99"] >= row["ttft_ms_p50"]
+
+
+@pytest.mark.slow
+def test_engine_state_benchmark_pairs_steps_with_and_without_the_poller(tmp_path):
+    output = tmp_path / "engine_state.json"
+    engine_state.main(
+        [*TINY_WORKLOAD, "--output-tokens", "12", "--kv-cache-memory", "32MiB"]
+        + ["--poll-hz", "20", "--window-s", "0.05", "--output", str(output)]
+    )
+    results = read_results(output)
+    (pair,) = results["pairs"]
+    assert pair["num_steps"] >= 12  # both runs scheduled the same steps, or it raises
+    assert 0 <= pair["num_paired_steps"] <= pair["num_steps"]
+    assert all(num_polls >= 1 for num_polls in results["num_polls"])
+    assert (
+        0
+        < results["snapshot_on_engine_thread_ms_mean"]
+        <= results["snapshot_on_engine_thread_ms_max"]
+    )
+    assert results["expand_and_json_cpu_ms_mean"] > 0
+    assert 0 < results["cost_share_max"] < 1
+    assert results["json_bytes"] > 1000

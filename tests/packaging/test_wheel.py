@@ -36,6 +36,14 @@ def test_wheel_has_one_top_level_package(wheel):
         assert f"pagedserve/{layer}/__init__.py" in names
     assert "pagedserve/cache/attention/csrc/paged_attention.cpp" in names
     assert any(name.startswith("pagedserve/configs/presets/") for name in names)
+    for name in (
+        "dashboard.html",
+        "dashboard.css",
+        "dashboard.js",
+        "charts.js",
+        "util.js",
+    ):  # the /dashboard page
+        assert f"pagedserve/server/static/{name}" in names
     assert not any(name.startswith("pagedserve/tests/") for name in names)
 
 

@@ -22,6 +22,7 @@ PROTECTED = [
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
     ("GET", "/v1/models"),
+    ("GET", "/v1/engine/state"),
     ("GET", "/openapi.json"),
     ("GET", "/no/such/path"),
 ]

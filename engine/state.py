@@ -1,0 +1,104 @@
+"""`EngineState`: what the block pool and the scheduler look like between two steps.
+
+`AsyncEngine` takes a `RawEngineState` on the engine thread (the only thread that may read the
+bookkeeping): flat copies only. `build_engine_state` classifies the blocks and finds their owners
+on the caller's thread, so the engine thread pays only for the copy. Plain dataclasses: the server turns them into
+JSON without importing `scheduler` or `cache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.cache.block_manager import BlockManagerSnapshot
+from pagedserve.engine.outputs import EngineStats
+from pagedserve.scheduler.snapshot import PlanSnapshot, RequestSnapshot, SchedulerSnapshot
+
+# A block is "free" (nothing in it worth keeping), "cached" (free, but its hash is registered:
+# a request with the same prefix revives it instead of recomputing) or "in_use" (ref_count > 0).
+BLOCK_STATES = ("free", "cached", "in_use")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """One block of an `EngineState`, as `EngineState.blocks()` lists them."""
+
+    block_id: int
+    state: str  # one of BLOCK_STATES
+    ref_count: int
+    owner_ids: list[str]  # sequences whose block table holds this block (len == ref_count)
+    is_hashed: bool  # registered in the prefix-cache index
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """A consistent picture of the engine at one instant (taken between two steps).
+
+    The pool is columnar (each list indexed by block id): the server polls this twice a second,
+    and one object per block would cost more than the snapshot itself. `blocks()` gives the
+    per-block view.
+    """
+
+    time: float  # Unix time of the snapshot
+    num_steps: int  # non-empty steps run so far
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int  # free + cached
+    enable_prefix_caching: bool
+    block_states: list[str]  # one of BLOCK_STATES
+    ref_counts: list[int]
+    owner_ids: list[list[str]]  # sequences whose block table holds the block (len == ref_count)
+    is_hashed: list[bool]  # registered in the prefix-cache index
+    running: list[RequestSnapshot]
+    waiting: list[RequestSnapshot]
+    last_plan: PlanSnapshot | None
+    stats: EngineStats
+
+    def blocks(self) -> list[BlockInfo]:
+        return [
+            BlockInfo(block_id, *entry)
+            for block_id, entry in enumerate(
+                zip(self.block_states, self.ref_counts, self.owner_ids, self.is_hashed, strict=True)
+            )
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class RawEngineState:
+    """The engine thread's share of a snapshot: copies only, no per-block objects."""
+
+    time: float
+    num_steps: int
+    blocks: BlockManagerSnapshot
+    scheduler: SchedulerSnapshot
+    last_plan: PlanSnapshot | None  # None before the first step
+    stats: EngineStats
+
+
+def build_engine_state(raw: RawEngineState) -> EngineState:
+    """Classify each block and read its owners from the block tables (O(num_blocks))."""
+    pool = raw.blocks
+    owners: list[list[str]] = [[] for _ in range(pool.num_blocks)]
+    for sequence_id, block_ids in pool.tables.items():
+        for block_id in block_ids:
+            owners[block_id].append(sequence_id)
+    states = [
+        "in_use" if ref_count else "cached" if is_hashed else "free"
+        for ref_count, is_hashed in zip(pool.ref_counts, pool.is_hashed, strict=True)
+    ]
+    return EngineState(
+        time=raw.time,
+        num_steps=raw.num_steps,
+        block_size=pool.block_size,
+        num_blocks=pool.num_blocks,
+        num_free_blocks=pool.num_free_blocks,
+        enable_prefix_caching=pool.enable_prefix_caching,
+        block_states=states,
+        ref_counts=pool.ref_counts,
+        owner_ids=owners,
+        is_hashed=pool.is_hashed,
+        running=raw.scheduler.running,
+        waiting=raw.scheduler.waiting,
+        last_plan=raw.last_plan,
+        stats=raw.stats,
+    )
