@@ -2,8 +2,8 @@
 
 `AsyncEngine` takes a `RawEngineState` on the engine thread (the only thread that may read the
 bookkeeping): flat copies only. `build_engine_state` classifies the blocks and finds their owners
-on the caller's thread, so the engine thread pays only for the copy. Plain dataclasses: the server turns them into
-JSON without importing `scheduler` or `cache`.
+on the caller's thread, so the engine thread pays only for the copy. Plain dataclasses: the server
+turns them into JSON without importing `scheduler` or `cache`.
 """
 
 from __future__ import annotations
