@@ -27,8 +27,7 @@ from pagedserve.engine.errors import (
 from pagedserve.engine.inputs import ValidatedRequest
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import EngineStats, RequestDelta
-from pagedserve.engine.state import EngineState, RawEngineState, build_engine_state
-from pagedserve.scheduler.snapshot import snapshot_plan, snapshot_scheduler
+from pagedserve.engine.state import EngineState, RawEngineState, build_engine_state, take_raw_state
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +161,7 @@ class AsyncEngine:
         return self._engine.stats() if self.engine is not None else EngineStats()
 
     async def engine_state(self) -> EngineState:
-        """A snapshot of the block pool and the queues, taken on the engine thread between steps
-        (queued like add/abort, so it waits for at most the step in progress)."""
+        """The block pool and queues, snapshotted on the engine thread between steps (a command)."""
         if not self.is_alive or self._loop is None:
             raise EngineDeadError(self._dead_reason or "the engine is not running")
         future: asyncio.Future[RawEngineState] = self._loop.create_future()
@@ -252,15 +250,9 @@ class AsyncEngine:
 
     def _take_state(self) -> RawEngineState | Exception:
         engine = self._engine
-        plan, token_budget = engine.last_plan, engine.scheduler.config.max_num_batched_tokens
         try:
-            return RawEngineState(
-                time=time.time(),
-                num_steps=engine.num_steps,
-                blocks=engine.block_manager.snapshot(),
-                scheduler=snapshot_scheduler(engine.scheduler),
-                last_plan=None if plan is None else snapshot_plan(plan, token_budget),
-                stats=engine.stats(),
+            return take_raw_state(
+                engine.scheduler, engine.last_plan, engine.num_steps, engine.stats()
             )
         except Exception as error:  # noqa: BLE001 - a bug in a snapshot must not stop serving
             logger.exception("engine state snapshot failed")

@@ -8,11 +8,19 @@ turns them into JSON without importing `scheduler` or `cache`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from pagedserve.cache.block_manager import BlockManagerSnapshot
 from pagedserve.engine.outputs import EngineStats
-from pagedserve.scheduler.snapshot import PlanSnapshot, RequestSnapshot, SchedulerSnapshot
+from pagedserve.scheduler import Scheduler, SchedulerOutput
+from pagedserve.scheduler.snapshot import (
+    PlanSnapshot,
+    RequestSnapshot,
+    SchedulerSnapshot,
+    snapshot_plan,
+    snapshot_scheduler,
+)
 
 # A block is "free" (nothing in it worth keeping), "cached" (free, but its hash is registered:
 # a request with the same prefix revives it instead of recomputing) or "in_use" (ref_count > 0).
@@ -73,6 +81,21 @@ class RawEngineState:
     scheduler: SchedulerSnapshot
     last_plan: PlanSnapshot | None  # None before the first step
     stats: EngineStats
+
+
+def take_raw_state(
+    scheduler: Scheduler, last_plan: SchedulerOutput | None, num_steps: int, stats: EngineStats
+) -> RawEngineState:
+    """Copy the bookkeeping (the scheduler's and its block manager's). Call on the engine thread."""
+    token_budget = scheduler.config.max_num_batched_tokens
+    return RawEngineState(
+        time=time.time(),
+        num_steps=num_steps,
+        blocks=scheduler.block_manager.snapshot(),
+        scheduler=snapshot_scheduler(scheduler),
+        last_plan=None if last_plan is None else snapshot_plan(last_plan, token_budget),
+        stats=stats,
+    )
 
 
 def build_engine_state(raw: RawEngineState) -> EngineState:
