@@ -206,6 +206,19 @@ class BlockManager:
         num_full_blocks = num_tokens // self.block_size
         self._block_hashes[child_id] = self._block_hashes[parent_id][:num_full_blocks]
 
+    def trim(self, sequence_id: str, num_tokens: int) -> None:
+        """Release the tail blocks beyond the first `num_tokens` positions (slots reserved for
+        speculative drafts that were rejected). They hold only dead K/V and are never cached."""
+        table = self.tables[sequence_id]
+        num_keep = ceil_div(num_tokens, self.block_size)
+        if len(table) <= num_keep:
+            return
+        if len(self._block_hashes[sequence_id]) > num_keep:
+            raise RuntimeError(f"{sequence_id}: trimming a block registered in the prefix cache")
+        tail = table.block_ids[num_keep:]
+        del table.block_ids[num_keep:]
+        self.pool.free(self.pool.blocks[block_id] for block_id in reversed(tail))
+
     def free(self, sequence_id: str) -> None:
         """Release each of the request's block references once; a no-op for an unknown id."""
         table = self.tables.pop(sequence_id, None)

@@ -13,6 +13,7 @@ from pagedserve.configs.engine import (
 )
 from pagedserve.configs.loader import load_engine_config
 from pagedserve.configs.sampling import SamplingParams, SamplingParamsError, StructuredOutputs
+from pagedserve.configs.speculative import SpeculativeConfig
 
 __all__ = [
     "CacheConfig",
@@ -23,6 +24,7 @@ __all__ = [
     "SchedulerConfig",
     "ServerConfig",
     "StructuredOutputs",
+    "SpeculativeConfig",
     "load_engine_config",
     "parse_bytes",
 ]

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagedserve.configs.speculative import SpeculativeConfig, parse_speculative_config
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _UNITS = {
     "": 1,
@@ -130,6 +132,16 @@ class SchedulerConfig(_Section):
     preemption_mode: Literal["recompute"] = Field(
         "recompute", description="what preemption does with a victim's KV"
     )
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description='n-gram speculative decoding as JSON, e.g. {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4} (off)',
+    )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, value: object) -> object:
+        return parse_speculative_config(value)
 
 
 class ServerConfig(_Section):

@@ -24,6 +24,7 @@ from pagedserve.engine.model_loader import LoadedModel, load_model
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats, RequestDelta
+from pagedserve.engine.rejection_sampler import RejectionSampler
 from pagedserve.engine.sampler import SampledBatch, Sampler, SamplingRow
 from pagedserve.engine.structured_outputs import (
     GrammarRejectedError,
@@ -31,7 +32,6 @@ from pagedserve.engine.structured_outputs import (
     StructuredOutputManager,
 )
 from pagedserve.scheduler import (
-    ModelRunnerOutput,
     Request,
     Scheduler,
     SchedulerOutput,
@@ -66,6 +66,7 @@ class LLMEngine:
         logger.info("attention backend: %s", backend.name)
         self.runner = ModelRunner(loaded.model, self.cache_engine, backend)
         self.sampler = Sampler(config.model.seed, device)
+        self.rejection_sampler = RejectionSampler(self.sampler, config.model.seed, device)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, device)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids
@@ -160,10 +161,10 @@ class LLMEngine:
         except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("forward pass failed; failing %d sequences", len(plan.requests))
             return self.outputs.fail({s.sequence_id: error for s in plan.requests})
-        sampled = self._sample(rows, logits)
+        sampled = self._sample(plan, rows, logits)
         deltas = self.outputs.fail(sampled.errors)  # before the update: they have no token
-        updates = self.scheduler.update_from_output(plan, ModelRunnerOutput(sampled.token_ids))
-        return deltas + self.outputs.process(updates, sampled.logprobs)
+        updates = self.scheduler.update_from_output(plan, sampled.runner_output())
+        return deltas + self.outputs.process(updates, sampled.logprobs, sampled.draft_logprobs)
 
     def _count_step(self, plan: SchedulerOutput) -> None:
         self.num_steps += 1
@@ -174,11 +175,26 @@ class LLMEngine:
         """Logits [num sampling sequences, vocab_size]; constrained rows masked by their grammar,
         before any sampling (the logits-processor seam)."""
         logits = self.runner.execute(plan)
-        self.structured.apply(logits, self.outputs.matchers(rows))
+        # One matcher per logits row: a sequence's draft rows follow its first row, and only
+        # unconstrained sequences draft (scheduler/speculation.py), so draft rows get None.
+        drafts = [s.draft_token_ids for s in plan.requests if s.needs_sample]
+        matchers = [
+            row_matcher
+            for matcher, row_drafts in zip(self.outputs.matchers(rows), drafts, strict=True)
+            for row_matcher in (matcher, *[None] * len(row_drafts))
+        ]
+        self.structured.apply(logits, matchers)
         return logits
 
-    def _sample(self, rows: list[SamplingRow], logits: torch.Tensor) -> SampledBatch:
-        sampled = SampledBatch.split(rows, self.sampler.sample(logits, rows))
+    def _sample(
+        self, plan: SchedulerOutput, rows: list[SamplingRow], logits: torch.Tensor
+    ) -> SampledBatch:
+        drafts = [s.draft_token_ids for s in plan.requests if s.needs_sample]
+        if any(drafts):  # speculation: logits has 1 + len(drafts) rows per sampling sequence
+            runs = self.rejection_sampler.verify(logits, rows, drafts)
+            sampled = SampledBatch.split_runs(rows, runs)
+        else:
+            sampled = SampledBatch.split(rows, self.sampler.sample(logits, rows))
         for row, matcher in zip(
             rows, self.outputs.matchers(rows), strict=True
         ):  # grammars follow their tokens
@@ -211,7 +227,19 @@ class LLMEngine:
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             num_steps=self.num_steps,
             num_structured_requests=self.structured.num_constrained_requests,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, object]:
+        speculator = self.scheduler.speculator
+        if not speculator.enabled:
+            return {}
+        return {
+            "spec_num_drafts": speculator.num_drafts,
+            "spec_num_draft_tokens": speculator.num_draft_tokens,
+            "spec_num_accepted_tokens": speculator.num_accepted_tokens,
+            "spec_num_accepted_per_position": tuple(speculator.num_accepted_per_position),
+        }
 
 
 def sequence_id(request_id: str, index: int) -> str:

@@ -107,7 +107,8 @@ class PreparedBatch:
     input_ids: Tensor  # [1, num_tokens]
     position_ids: Tensor  # [1, num_tokens]
     meta: AttentionMetadata
-    logits_indices: Tensor  # [num_sampled]: row of the last token of each request that samples
+    # [num_sampled]: row of the last token of each request that samples (and of its drafts)
+    logits_indices: Tensor
 
 
 class ModelRunner:
@@ -136,8 +137,9 @@ class ModelRunner:
             slot_mapping.extend(scheduled.slot_mapping)
             query_start_loc.append(len(input_ids))
             seq_lens.append(scheduled.seq_len)
-            if scheduled.needs_sample:
-                logits_indices.append(len(input_ids) - 1)
+            if scheduled.needs_sample:  # the last real token's row, then one per draft
+                num_drafts = len(scheduled.draft_token_ids)
+                logits_indices.extend(range(len(input_ids) - 1 - num_drafts, len(input_ids)))
         max_num_blocks = max(len(s.block_ids) for s in plan.requests)
         block_tables = [
             s.block_ids + [0] * (max_num_blocks - len(s.block_ids)) for s in plan.requests

@@ -129,28 +129,40 @@ class OutputProcessor:
     # ---- after the scheduler's update ------------------------------------------------------
 
     def process(
-        self, updates: list[RequestUpdate], logprobs: dict[str, TokenLogprob | None]
+        self,
+        updates: list[RequestUpdate],
+        logprobs: dict[str, TokenLogprob | None],
+        draft_logprobs: dict[str, list[TokenLogprob | None]] | None = None,
     ) -> list[RequestDelta]:
         """One delta per update: new text (held back at a possible stop string), and for a
-        finished choice its final delta."""
-        self.num_generation_tokens += len(updates)
-        return [self._process_update(update, logprobs[update.sequence_id]) for update in updates]
+        finished choice its final delta. `draft_logprobs`: those of a speculative step's
+        accepted drafts, which precede the sampled token's."""
+        deltas = []
+        for update in updates:
+            sequence_id = update.sequence_id
+            run = [*(draft_logprobs or {}).get(sequence_id, []), logprobs[sequence_id]]
+            deltas.append(self._process_update(update, run))
+            self.num_generation_tokens += len(deltas[-1].new_token_ids)
+        return deltas
 
-    def _process_update(self, update: RequestUpdate, logprob: TokenLogprob | None) -> RequestDelta:
+    def _process_update(
+        self, update: RequestUpdate, run_logprobs: list[TokenLogprob | None]
+    ) -> RequestDelta:
         choice = self._choices[update.sequence_id]
         sequence = choice.sequence
         if sequence.num_output_tokens == len(update.new_token_ids):  # its first token: the
             self.num_prompt_tokens += sequence.num_prompt_tokens  # prompt has been prefilled
-        text, stop_string_hit = choice.detokenizer.add(update.new_token_ids)
+        text, stop_string_hit, num_after_stop = _detokenize(choice, update.new_token_ids)
         # The grammar took its stop token (also under ignore_eos): the structure is complete.
         grammar_done = choice.matcher is not None and bool(choice.matcher.is_terminated())
         if not stop_string_hit and (update.status.is_finished or grammar_done):
             tail, stop_string_hit = choice.detokenizer.flush()
             text += tail
         if stop_string_hit or grammar_done:  # either ends the text: finished as stopped
-            self.scheduler.stop_on_string(sequence)
-        token_ids = tuple(update.new_token_ids)
-        logprobs = (logprob,) if logprob is not None else None
+            self.scheduler.stop_on_string(sequence, num_after_stop)
+        token_ids = tuple(update.new_token_ids[: len(update.new_token_ids) - num_after_stop])
+        kept = [logprob for logprob in run_logprobs[: len(token_ids)] if logprob is not None]
+        logprobs = tuple(kept) if kept else None
         if sequence.is_finished:
             return self._final_delta(choice, token_ids, text, logprobs)
         return RequestDelta(
@@ -224,6 +236,20 @@ class OutputProcessor:
             num_cached_prompt_tokens=sequence.num_cached_tokens,
             timings=timings,
         )
+
+
+def _detokenize(choice: ChoiceState, token_ids: list[int]) -> tuple[str, bool, int]:
+    """(text, stop string hit, tokens after the one that completed it). A speculative step's
+    several tokens are fed one by one, so a stop string ends the run where it completed."""
+    if len(token_ids) == 1:
+        return (*choice.detokenizer.add(token_ids), 0)
+    text = ""
+    for index, token_id in enumerate(token_ids):
+        piece, hit = choice.detokenizer.add([token_id])
+        text += piece
+        if hit:
+            return text, True, len(token_ids) - index - 1
+    return text, False, 0
 
 
 def _earliest(times: Iterable[float | None]) -> float | None:

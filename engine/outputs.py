@@ -88,3 +88,9 @@ class EngineStats:
     prefix_cache_hits: int = 0  # tokens found
     num_steps: int = 0
     num_structured_requests: int = 0  # requests admitted with an output constraint
+    # speculative decoding (all zero when off): verified steps with drafts, drafted tokens,
+    # accepted drafts, and acceptances by draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_per_position: tuple[int, ...] = ()

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from pagedserve.configs import SamplingParams
 from pagedserve.engine.outputs import TokenLogprob
+from pagedserve.scheduler import ModelRunnerOutput
 
 
 @dataclass(slots=True)
@@ -55,18 +56,37 @@ class SampledBatch:
     token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob | None] = field(default_factory=dict)
     errors: dict[str, Exception] = field(default_factory=dict)  # these sequences have no token
+    # Speculation: the drafts a sequence accepted (they precede its `token_ids` entry), and
+    # their logprobs in order; empty without speculation
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
+
+    def runner_output(self) -> ModelRunnerOutput:
+        """What the scheduler's update needs: each sequence's tokens (no errors)."""
+        return ModelRunnerOutput(self.token_ids, self.accepted_draft_ids)
 
     @classmethod
     def split(
         cls, rows: list[SamplingRow], results: list[SampleResult | Exception]
     ) -> SampledBatch:
+        return cls.split_runs(rows, [r if isinstance(r, Exception) else [r] for r in results])
+
+    @classmethod
+    def split_runs(
+        cls, rows: list[SamplingRow], runs: list[list[SampleResult] | Exception]
+    ) -> SampledBatch:
+        """From one run of tokens per row: accepted drafts, then the sampled token."""
         batch = cls()
-        for row, result in zip(rows, results, strict=True):
-            if isinstance(result, Exception):
-                batch.errors[row.sequence_id] = result
-            else:
-                batch.token_ids[row.sequence_id] = result.token_id
-                batch.logprobs[row.sequence_id] = result.logprob
+        for row, run in zip(rows, runs, strict=True):
+            if isinstance(run, Exception):
+                batch.errors[row.sequence_id] = run
+                continue
+            *accepted, last = run
+            batch.token_ids[row.sequence_id] = last.token_id
+            batch.logprobs[row.sequence_id] = last.logprob
+            if accepted:
+                batch.accepted_draft_ids[row.sequence_id] = [r.token_id for r in accepted]
+                batch.draft_logprobs[row.sequence_id] = [r.logprob for r in accepted]
         return batch
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.scheduler.request import RequestStatus
 
@@ -17,6 +17,8 @@ class ScheduledRequest:
     slot_mapping: list[int]  # KV slot of each new token (from the request's BlockTable)
     block_ids: list[int]  # the full block table after this step's allocation
     needs_sample: bool  # False for a non-final prefill chunk
+    # Speculative drafts: the tail of `token_ids` (after the last real token), to be verified
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:
@@ -42,6 +44,9 @@ class SchedulerOutput:
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]  # only for requests with needs_sample
+    # Speculation: the drafts each request accepted (a prefix of its draft_token_ids), which
+    # precede its sampled token (the bonus, or the resample at the first rejection)
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

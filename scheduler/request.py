@@ -98,3 +98,21 @@ class Request:
         if num_output >= params.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def append_run(
+        self, token_ids: list[int], max_model_len: int
+    ) -> tuple[list[int], RequestStatus | None]:
+        """Append tokens one by one up to the first that finishes the sequence (a speculative
+        step's accepted drafts, then its sampled token); returns those appended and the status."""
+        for num_appended, token_id in enumerate(token_ids, start=1):
+            self.append_output_token(token_id)
+            status = self.check_stop(token_id, max_model_len)
+            if status is not None:
+                return token_ids[:num_appended], status
+        return token_ids, None
+
+    def drop_last_output_tokens(self, num_tokens: int) -> None:
+        """Forget the last generated tokens (a speculative run cut short by a stop string)."""
+        if num_tokens > 0:
+            del self.output_token_ids[-num_tokens:], self.all_token_ids[-num_tokens:]
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)

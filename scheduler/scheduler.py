@@ -39,6 +39,7 @@ from pagedserve.scheduler.output import (
     SchedulerOutput,
 )
 from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.speculation import Speculator
 
 
 class Scheduler:
@@ -59,6 +60,7 @@ class Scheduler:
         # request: not again for each step a blocked admission retries, nor after a preemption.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.speculator = Speculator(config.speculative_config, block_manager, max_model_len)
 
     # ---- admission and removal -------------------------------------------------------------
 
@@ -98,17 +100,19 @@ class Scheduler:
                 queue.remove(request)
         request.status = status
         self.block_manager.free(sequence_id)
+        self.speculator.drop(sequence_id)
         return request
 
-    def stop_on_string(self, request: Request) -> None:
+    def stop_on_string(self, request: Request, num_dropped: int = 0) -> None:
         """The engine found a stop string in `request`'s text: it finishes as stopped.
 
         A request still running is finished (blocks freed at once). One that this step's token
         already finished by length ends as stopped all the same: the stop string ended its text.
         """
+        request.drop_last_output_tokens(num_dropped)  # a speculative run's, after the stop
         if not request.is_finished:
             self.finish_request(request.sequence_id, RequestStatus.FINISHED_STOPPED)
-        elif request.status == RequestStatus.FINISHED_LENGTH:
+        elif request.status == RequestStatus.FINISHED_LENGTH or num_dropped:
             request.status = RequestStatus.FINISHED_STOPPED
 
     def abort_request(self, sequence_id: str) -> Request | None:
@@ -154,9 +158,13 @@ class Scheduler:
                 decodes_left -= 1
             elif num_new_tokens > 1:
                 num_new_tokens = max(1, min(num_new_tokens, token_budget - decodes_left))
-            if self._reserve_or_preempt(request, num_new_tokens):
-                scheduled.append(self._plan(request, num_new_tokens))
-                token_budget -= num_new_tokens
+            # Drafts come with their slots reserved, or not at all: they never preempt anyone.
+            drafts = self.speculator.reserve_drafts(
+                request, num_remaining, token_budget, decodes_left
+            )
+            if drafts or self._reserve_or_preempt(request, num_new_tokens):
+                scheduled.append(self._plan(request, num_new_tokens, drafts))
+                token_budget -= num_new_tokens + len(drafts)
                 index += 1
             # else: `request` itself was preempted and left `running`; the same index is next.
         return token_budget
@@ -254,17 +262,18 @@ class Scheduler:
                 # In serve order like any request (it keeps its parent's arrival and priority).
                 self._insert_waiting_ahead(child)
 
-    def _plan(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+    def _plan(self, request: Request, num_new_tokens: int, drafts: tuple = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new_tokens
         table = self.block_manager.get_table(request.sequence_id)
         return ScheduledRequest(
             sequence_id=request.sequence_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=request.all_token_ids[start:end] + list(drafts),
             start_position=start,
-            slot_mapping=table.slot_mapping(start, end),
+            slot_mapping=table.slot_mapping(start, end + len(drafts)),
             block_ids=table.block_ids,
             needs_sample=end == request.num_tokens,
+            draft_token_ids=drafts,
         )
 
     # ---- after the forward pass ------------------------------------------------------------
@@ -279,20 +288,12 @@ class Scheduler:
             request = self.requests.get(scheduled.sequence_id)
             if request is None:  # finished (aborted) since it was scheduled
                 continue
-            request.num_computed_tokens += scheduled.num_new_tokens
-            self.block_manager.cache_computed_blocks(
-                request.sequence_id,
-                request.all_token_ids,
-                request.num_computed_tokens,
-            )
+            new_token_ids, status = self.speculator.apply(request, scheduled, result)
             if not scheduled.needs_sample:
                 continue
-            token_id = result.sampled_token_ids[request.sequence_id]
-            request.append_output_token(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
-            status = request.check_stop(token_id, self.max_model_len)
             if status is not None:
                 self.finish_request(request.sequence_id, status)
-            updates.append(RequestUpdate(request.sequence_id, [token_id], request.status))
+            updates.append(RequestUpdate(request.sequence_id, new_token_ids, request.status))
         return updates

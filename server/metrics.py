@@ -128,6 +128,9 @@ class EngineStatsCollector(Collector):
         ("prefix_cache_queries", "Prefix-cache queries, in number of queried tokens."),
         ("prefix_cache_hits", "Prefix-cache hits, in number of cached tokens."),
         ("structured_output_requests", "Requests admitted with an output constraint."),
+        ("spec_decode_num_drafts", "Number of spec decoding drafts."),
+        ("spec_decode_num_draft_tokens", "Number of draft tokens."),
+        ("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
     )
 
     def __init__(self, read_stats: Callable[[], EngineStats], model_name: str) -> None:
@@ -149,6 +152,9 @@ class EngineStatsCollector(Collector):
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "structured_output_requests": stats.num_structured_requests,
+            "spec_decode_num_drafts": stats.spec_num_drafts,
+            "spec_decode_num_draft_tokens": stats.spec_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": stats.spec_num_accepted_tokens,
         }
 
     def collect(self) -> Iterator[Metric]:
@@ -163,6 +169,14 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, documentation, labels=["model_name"])
             counter.add_metric(labels, values[name])
             yield counter
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(stats.spec_num_accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], count)
+        yield per_position
         info = InfoMetricFamily(
             PREFIX + "cache_config", "Information of the KV-cache config.", labels=["model_name"]
         )

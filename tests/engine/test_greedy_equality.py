@@ -157,3 +157,67 @@ def test_greedy_output_equals_hf_generate_under_preemption(default_loaded, promp
     run = run_to_completion(engine)
     assert engine.stats().num_preemptions > 0
     _check_all(run, references, "preemption")
+
+
+# ---- with n-gram speculation: drafts verified in the same flattened batch ---------------------
+
+SPECULATIVE = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
+    '"prompt_lookup_max": 4, "disable_by_batch_size": 64, "min_acceptance_rate": 0.0}'
+)
+
+
+def _check_speculated(engine, run: EngineRun, references, label: str) -> None:
+    _check_all(run, references, label)
+    stats = engine.stats()
+    assert stats.spec_num_accepted_tokens > 0, f"{label}: no draft was ever accepted"
+    assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens, f"{label}: none rejected"
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_greedy_output_with_speculation_equals_hf_generate_for_block_size(
+    default_loaded, prompts, references, block_size
+):
+    engine = make_engine(
+        default_loaded,
+        block_size=block_size,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=True,
+        num_kv_blocks=_whole_batch_blocks(block_size),
+        speculative_config=SPECULATIVE,
+    )
+    add_requests(engine, prompts, greedy_params(MAX_NEW_TOKENS))
+    run = run_to_completion(engine)
+    _check_speculated(engine, run, references, f"speculation block_size={block_size}")
+
+
+def test_greedy_output_with_speculation_equals_hf_generate_with_chunked_prefill(
+    default_loaded, prompts, references
+):
+    engine = make_engine(
+        default_loaded,
+        block_size=16,
+        max_num_batched_tokens=72,
+        num_kv_blocks=_whole_batch_blocks(16),
+        speculative_config=SPECULATIVE,
+    )
+    add_requests(engine, prompts, greedy_params(MAX_NEW_TOKENS))
+    run = run_to_completion(engine)
+    assert sum(not s.needs_sample for plan in run.plans for s in plan.requests) >= 1000 // 72
+    _check_speculated(engine, run, references, "speculation, chunked prefill")
+
+
+def test_greedy_output_with_speculation_equals_hf_generate_under_preemption(
+    default_loaded, prompts, references
+):
+    engine = make_engine(
+        default_loaded,
+        block_size=16,
+        num_kv_blocks=72,
+        max_num_batched_tokens=512,
+        speculative_config=SPECULATIVE,
+    )
+    add_requests(engine, prompts, greedy_params(MAX_NEW_TOKENS))
+    run = run_to_completion(engine)
+    assert engine.stats().num_preemptions > 0
+    _check_speculated(engine, run, references, "speculation, preemption")

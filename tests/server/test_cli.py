@@ -106,3 +106,11 @@ def test_bench_rejects_unknown_benchmarks(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "nope"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_bad_speculative_config_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'])
+    assert exit_info.value.code == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "scheduler.speculative_config.num_speculative_tokens" in last_line

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.engine.errors import EngineOverloadedError, InvalidRequestError
@@ -118,3 +120,19 @@ def test_grammar_mask_times_are_drained_into_their_histogram_at_scrape(client):
     samples = {s.name: s.value for s in families["pagedserve:grammar_bitmask_seconds"].samples}
     assert samples["pagedserve:grammar_bitmask_seconds_count"] == 1
     assert samples["pagedserve:grammar_bitmask_seconds_sum"] == 0.002
+
+
+def test_speculative_decoding_counters_are_exposed(client_with, engine, monkeypatch):
+    stats = dataclasses.replace(
+        engine.stats(),
+        spec_num_drafts=4,
+        spec_num_draft_tokens=12,
+        spec_num_accepted_tokens=7,
+        spec_num_accepted_per_position=(4, 2, 1),
+    )
+    monkeypatch.setattr(type(engine), "stats", lambda self: stats)  # before the app binds it
+    families = _scrape(client_with())
+    for name, value in [("num_drafts", 4), ("num_draft_tokens", 12), ("num_accepted_tokens", 7)]:
+        assert families[f"pagedserve:spec_decode_{name}"].samples[0].value == value
+    per_position = families["pagedserve:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert {s.labels["position"]: s.value for s in per_position} == {"0": 4, "1": 2, "2": 1}

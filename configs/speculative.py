@@ -1,0 +1,58 @@
+"""`SpeculativeConfig`: n-gram (prompt-lookup) speculative decoding, vLLM's flag shape.
+
+`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+"prompt_lookup_max": 4}'` (a JSON object on the command line or in `PAGEDSERVE_SPECULATIVE_CONFIG`,
+a mapping in the YAML file). Absent (the default) means no speculation at all.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["ngram"] = Field(description="how drafts are proposed (prompt lookup)")
+    num_speculative_tokens: int = Field(ge=1, le=16, description="drafts proposed per step (K)")
+    prompt_lookup_min: int = Field(1, ge=1, description="shortest suffix n-gram looked up")
+    prompt_lookup_max: int = Field(4, ge=1, le=16, description="longest suffix n-gram looked up")
+    # The gate (benchmarks/spec_decode.py measured it): verifying K drafts costs K more rows of
+    # the forward pass; at small batch a CPU step is bound by reading the weights, so they are
+    # nearly free, but a large batch is compute-bound and every rejected draft is lost work.
+    disable_by_batch_size: int = Field(
+        8, ge=1, description="no drafts in a step with more running requests than this"
+    )
+    # A request whose recent drafts are mostly rejected stops drafting for a while (the rows it
+    # adds cost compute and it has no copying pattern to exploit).
+    min_acceptance_rate: float = Field(
+        0.1, ge=0.0, le=1.0, description="recent acceptance below which a request pauses drafting"
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        return self
+
+
+def parse_speculative_config(value: object) -> object:
+    """A JSON string (CLI, env) becomes a mapping; '' / 'null' / 'none' mean off."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.lower() in ("", "null", "none"):
+        return None
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"speculative_config is not valid JSON: {error.msg}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError("speculative_config must be a JSON object")
+    return parsed
