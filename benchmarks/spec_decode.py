@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
-    parser.add_argument("--disable-by-batch-size", type=int, default=8)
+    parser.add_argument("--disable-by-batch-size", type=int, default=4)
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--throughput-requests", type=int, default=64)
     parser.add_argument("--throughput-output-tokens", type=int, default=128)

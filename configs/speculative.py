@@ -20,11 +20,12 @@ class SpeculativeConfig(BaseModel):
     num_speculative_tokens: int = Field(ge=1, le=16, description="drafts proposed per step (K)")
     prompt_lookup_min: int = Field(1, ge=1, description="shortest suffix n-gram looked up")
     prompt_lookup_max: int = Field(4, ge=1, le=16, description="longest suffix n-gram looked up")
-    # The gate (benchmarks/spec_decode.py measured it): verifying K drafts costs K more rows of
-    # the forward pass; at small batch a CPU step is bound by reading the weights, so they are
-    # nearly free, but a large batch is compute-bound and every rejected draft is lost work.
+    # The gate, from benchmarks/spec_decode.py on the 2-core CPU: verifying K drafts costs K more
+    # rows of the forward pass. At batch 1 a step is bound by reading the weights and the drafts
+    # are nearly free (2.2x faster); at batch 4 the extra rows already cost what accepted drafts
+    # save (0.99x), and a larger batch is compute-bound: every rejected draft is lost work.
     disable_by_batch_size: int = Field(
-        8, ge=1, description="no drafts in a step with more running requests than this"
+        4, ge=1, description="no drafts in a step with more running sequences than this"
     )
     # A request whose recent drafts are mostly rejected stops drafting for a while (the rows it
     # adds cost compute and it has no copying pattern to exploit).
