@@ -127,6 +127,7 @@ class LLMEngine:
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 parent_sequence_id=sequence_ids[0] if index else None,
+                needs_prompt_logprobs=request.params.prompt_logprobs is not None,
             )
             for index in range(num_choices)
         ]
@@ -160,7 +161,7 @@ class LLMEngine:
         except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("forward pass failed; failing %d sequences", len(plan.requests))
             return self.outputs.fail({s.sequence_id: error for s in plan.requests})
-        sampled = self._sample(rows, logits)
+        sampled = self._sample(plan, rows, logits)
         deltas = self.outputs.fail(sampled.errors)  # before the update: they have no token
         updates = self.scheduler.update_from_output(plan, ModelRunnerOutput(sampled.token_ids))
         return deltas + self.outputs.process(updates, sampled.logprobs)
@@ -171,14 +172,20 @@ class LLMEngine:
         self.step_token_counts.append(plan.num_batched_tokens)
 
     def _forward(self, plan: SchedulerOutput, rows: list[SamplingRow]) -> torch.Tensor:
-        """Logits [num sampling sequences, vocab_size]; constrained rows masked by their grammar,
-        before any sampling (the logits-processor seam)."""
+        """Logits [num sampling sequences + num prompt-logprob rows, vocab_size]; constrained
+        sampling rows masked by their grammar, before any sampling (the logits-processor seam).
+        Prompt rows are never masked: they score the prompt as the model sees it."""
         logits = self.runner.execute(plan)
-        self.structured.apply(logits, self.outputs.matchers(rows))
+        self.structured.apply(logits[: len(rows)], self.outputs.matchers(rows))
         return logits
 
-    def _sample(self, rows: list[SamplingRow], logits: torch.Tensor) -> SampledBatch:
-        sampled = SampledBatch.split(rows, self.sampler.sample(logits, rows))
+    def _sample(
+        self, plan: SchedulerOutput, rows: list[SamplingRow], logits: torch.Tensor
+    ) -> SampledBatch:
+        """Sample the first rows; the prompt rows after them score prompt logprobs (a failure
+        there fails the sequences that asked, as a sampling failure does)."""
+        sampled = SampledBatch.split(rows, self.sampler.sample(logits[: len(rows)], rows))
+        sampled.errors.update(self.outputs.score_prompts(plan, logits[len(rows) :]))
         for row, matcher in zip(
             rows, self.outputs.matchers(rows), strict=True
         ):  # grammars follow their tokens

@@ -199,7 +199,7 @@ class Scheduler:
         """Move the head of `waiting` to `running` if its first chunk gets blocks now."""
         block_manager = self.block_manager
         num_cached = block_manager.allocate_cached_prefix(
-            request.sequence_id, request.all_token_ids
+            request.sequence_id, request.all_token_ids, max_cached_tokens=request.max_cached_tokens
         )
         num_new_tokens = min(request.num_tokens - num_cached, token_budget)
         if not block_manager.allocate_slots(request.sequence_id, num_new_tokens, num_cached):
@@ -242,8 +242,8 @@ class Scheduler:
                 )
                 # Recompute the last prompt token: it yields this choice's own first logits, and its
                 # write into the shared block is what copy-on-write splits.
-                child.num_computed_tokens = child.num_prompt_tokens - 1
-                child.num_cached_tokens = child.num_computed_tokens
+                child.num_computed_tokens = child.num_cached_tokens = child.num_prompt_tokens - 1
+                child.needs_prompt_logprobs = False  # the parent has computed them
                 child.first_scheduled_time = time.monotonic()
                 child.status = RequestStatus.RUNNING
                 self.fork_waiting.remove(child)
@@ -264,7 +264,8 @@ class Scheduler:
             start_position=start,
             slot_mapping=table.slot_mapping(start, end),
             block_ids=table.block_ids,
-            needs_sample=end == request.num_tokens,
+            needs_sample=end == request.num_tokens and request.sampling_params.max_tokens > 0,
+            prompt_logprob_rows=request.prompt_logprob_rows(start, end),
         )
 
     # ---- after the forward pass ------------------------------------------------------------
@@ -279,20 +280,20 @@ class Scheduler:
             request = self.requests.get(scheduled.sequence_id)
             if request is None:  # finished (aborted) since it was scheduled
                 continue
-            request.num_computed_tokens += scheduled.num_new_tokens
+            request.advance(scheduled.num_new_tokens)
             self.block_manager.cache_computed_blocks(
-                request.sequence_id,
-                request.all_token_ids,
-                request.num_computed_tokens,
+                request.sequence_id, request.all_token_ids, request.num_computed_tokens
             )
-            if not scheduled.needs_sample:
-                continue
-            token_id = result.sampled_token_ids[request.sequence_id]
-            request.append_output_token(token_id)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            status = request.check_stop(token_id, self.max_model_len)
+            if not scheduled.needs_sample and request.num_computed_tokens < request.num_tokens:
+                continue  # a prompt chunk with more to come
+            status, new_token_ids = RequestStatus.FINISHED_LENGTH, []  # max_tokens 0: prompt done
+            if scheduled.needs_sample:
+                token_id = result.sampled_token_ids[request.sequence_id]
+                request.append_output_token(token_id)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                status, new_token_ids = request.check_stop(token_id, self.max_model_len), [token_id]
             if status is not None:
                 self.finish_request(request.sequence_id, status)
-            updates.append(RequestUpdate(request.sequence_id, [token_id], request.status))
+            updates.append(RequestUpdate(request.sequence_id, new_token_ids, request.status))
         return updates
