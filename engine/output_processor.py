@@ -2,8 +2,9 @@
 
 Owns the per-choice state (detokenizer, seeded generator, prompt logprobs) and the per-request
 groups of choices (`n > 1`); turns each `RequestUpdate` into a `RequestDelta` (text, stop strings,
-logprobs, timings; the prompt's logprobs on a choice's first delta). It never sets a sequence's status: a stop string is reported to the scheduler
-(`Scheduler.stop_on_string`), which decides how the sequence finishes.
+logprobs, timings; the prompt's logprobs on a choice's first delta). It never sets a sequence's
+status: a stop string is reported to the scheduler (`Scheduler.stop_on_string`), which decides
+how the sequence finishes.
 """
 
 from __future__ import annotations
