@@ -82,12 +82,18 @@ class BlockManager:
         return table.block_ids if table is not None else []
 
     def allocate_cached_prefix(
-        self, sequence_id: str, token_ids: Sequence[int], extra_key: Hashable = None
+        self,
+        sequence_id: str,
+        token_ids: Sequence[int],
+        extra_key: Hashable = None,
+        max_cached_tokens: int | None = None,
     ) -> int:
         """Start `sequence_id`'s table with the longest cached prefix of full blocks.
 
         The block holding the last token is never taken from the cache: its logits must be
-        computed, so at least one token is always left to run. Mutates ref counts of hit blocks.
+        computed, so at least one token is always left to run. `max_cached_tokens` caps the hit
+        further (a request that needs the logits of earlier positions); the table is started
+        either way, so its computed blocks still fill the cache. Mutates ref counts of hit blocks.
 
         Returns:
             The number of tokens whose K/V are already cached (a multiple of block_size).
@@ -100,7 +106,10 @@ class BlockManager:
         if not self.pool.enable_prefix_caching:
             return 0
         parent = _NO_PARENT
-        for idx in range((len(token_ids) - 1) // self.block_size):
+        num_blocks = (len(token_ids) - 1) // self.block_size
+        if max_cached_tokens is not None:
+            num_blocks = min(num_blocks, max_cached_tokens // self.block_size)
+        for idx in range(num_blocks):
             chunk = token_ids[idx * self.block_size : (idx + 1) * self.block_size]
             block_hash = hash_block(parent, chunk, extra_key)
             block = self.pool.lookup(block_hash, parent, chunk)

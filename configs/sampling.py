@@ -94,6 +94,9 @@ class SamplingParams:
     logprobs: int | None = (
         None  # number of top alternatives to return per token (0 = only the chosen)
     )
+    # Logprobs of the prompt's own tokens (the first has none), with this many top alternatives
+    # per position; None computes none. The whole prompt then runs: a cached prefix has no logits.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None  # constrained decoding (None: free)
 
@@ -152,9 +155,20 @@ class SamplingParams:
             f"seed must be in [0, 2**63), got {self.seed}",
         )
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            self.prompt_logprobs is None
+            or (
+                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+            ),
+            "prompt_logprobs",
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+        )
+        # 0 only when the prompt itself is the answer (its logprobs): the request then ends right
+        # after its prefill, with no output token.
+        min_max_tokens = 0 if self.prompt_logprobs is not None else 1
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= min_max_tokens,
             "max_tokens",
-            f"max_tokens must be at least 1, got {self.max_tokens}",
+            f"max_tokens must be at least 1 (0 only with prompt logprobs), got {self.max_tokens}",
         )
         _check(
             isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,

@@ -52,7 +52,10 @@ class LLM:
             )
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
-                choice = outputs[delta.request_id].outputs[delta.index]
+                output = outputs[delta.request_id]
+                if delta.prompt_logprobs is not None and output.prompt_logprobs is None:
+                    output.prompt_logprobs = list(delta.prompt_logprobs)
+                choice = output.outputs[delta.index]
                 choice.text += delta.new_text
                 choice.token_ids.extend(delta.new_token_ids)
                 if choice.logprobs is not None and delta.new_logprobs:

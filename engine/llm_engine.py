@@ -128,6 +128,7 @@ class LLMEngine:
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 parent_sequence_id=sequence_ids[0] if index else None,
+                needs_prompt_logprobs=request.params.prompt_logprobs is not None,
             )
             for index in range(num_choices)
         ]
@@ -172,10 +173,11 @@ class LLMEngine:
         self.step_token_counts.append(plan.num_batched_tokens)
 
     def _forward(self, plan: SchedulerOutput, rows: list[SamplingRow]) -> torch.Tensor:
-        """Logits [num sampling sequences, vocab_size]; constrained rows masked by their grammar,
-        before any sampling (the logits-processor seam)."""
+        """Logits [num sampling rows (drafts included) + num prompt-logprob rows, vocab_size];
+        constrained sampling rows masked by their grammar, before any sampling (the
+        logits-processor seam). Prompt rows are never masked: they score the prompt as is."""
         logits = self.runner.execute(plan)
-        # One matcher per logits row: a sequence's draft rows follow its first row, and only
+        # One matcher per sampling row: a sequence's draft rows follow its first row, and only
         # unconstrained sequences draft (scheduler/speculation.py), so draft rows get None.
         drafts = [s.draft_token_ids for s in plan.requests if s.needs_sample]
         matchers = [
@@ -183,18 +185,24 @@ class LLMEngine:
             for matcher, row_drafts in zip(self.outputs.matchers(rows), drafts, strict=True)
             for row_matcher in (matcher, *[None] * len(row_drafts))
         ]
-        self.structured.apply(logits, matchers)
+        self.structured.apply(logits[: len(matchers)], matchers)
         return logits
 
     def _sample(
         self, plan: SchedulerOutput, rows: list[SamplingRow], logits: torch.Tensor
     ) -> SampledBatch:
+        """Sample the first rows (each sampling sequence's own row, then its drafts' rows); the
+        prompt rows after them score prompt logprobs (a failure there fails the sequences that
+        asked, as a sampling failure does)."""
         drafts = [s.draft_token_ids for s in plan.requests if s.needs_sample]
-        if any(drafts):  # speculation: logits has 1 + len(drafts) rows per sampling sequence
-            runs = self.rejection_sampler.verify(logits, rows, drafts)
+        num_sampling_rows = len(rows) + sum(len(row_drafts) for row_drafts in drafts)
+        sampling_logits = logits[:num_sampling_rows]
+        if any(drafts):  # speculation: 1 + len(drafts) rows per sampling sequence
+            runs = self.rejection_sampler.verify(sampling_logits, rows, drafts)
             sampled = SampledBatch.split_runs(rows, runs)
         else:
-            sampled = SampledBatch.split(rows, self.sampler.sample(logits, rows))
+            sampled = SampledBatch.split(rows, self.sampler.sample(sampling_logits, rows))
+        sampled.errors.update(self.outputs.score_prompts(plan, logits[num_sampling_rows:]))
         for row, matcher in zip(
             rows, self.outputs.matchers(rows), strict=True
         ):  # grammars follow their tokens

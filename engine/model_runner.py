@@ -107,7 +107,9 @@ class PreparedBatch:
     input_ids: Tensor  # [1, num_tokens]
     position_ids: Tensor  # [1, num_tokens]
     meta: AttentionMetadata
-    # [num_sampled]: row of the last token of each request that samples (and of its drafts)
+    # [num_sampling_rows + num_prompt_logprob_rows]: the last token of each request that samples
+    # (then one row per draft), then the prompt rows that score the next prompt token (prompt
+    # logprobs), both in plan order
     logits_indices: Tensor
 
 
@@ -131,7 +133,10 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
+        prompt_logprob_indices: list[int] = []
         for scheduled in plan.requests:
+            offset = len(input_ids)
+            prompt_logprob_indices.extend(offset + i for i in scheduled.prompt_logprob_rows)
             input_ids.extend(scheduled.token_ids)
             positions.extend(range(scheduled.start_position, scheduled.seq_len))
             slot_mapping.extend(scheduled.slot_mapping)
@@ -159,12 +164,12 @@ class ModelRunner:
             input_ids=tensor(input_ids, torch.int64).unsqueeze(0),
             position_ids=tensor(positions, torch.int64).unsqueeze(0),
             meta=meta,
-            logits_indices=tensor(logits_indices, torch.int64),
+            logits_indices=tensor(logits_indices + prompt_logprob_indices, torch.int64),
         )
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> Tensor:
-        """Logits [num_sampled, vocab_size] in float32 (empty if nothing samples this step)."""
+        """Logits [num_logits_rows, vocab_size] in float32, rows as `batch.logits_indices`."""
         context = PagedContext(
             batch.meta, self.cache_engine.key_caches, self.cache_engine.value_caches, self.backend
         )

@@ -1,9 +1,10 @@
 """`OutputProcessor`: the engine's side of a step after the scheduler's update.
 
-Owns the per-choice state (detokenizer, seeded generator) and the per-request groups of choices
-(`n > 1`); turns each `RequestUpdate` into a `RequestDelta` (text, stop strings, logprobs,
-timings). It never sets a sequence's status: a stop string is reported to the scheduler
-(`Scheduler.stop_on_string`), which decides how the sequence finishes.
+Owns the per-choice state (detokenizer, seeded generator, prompt logprobs) and the per-request
+groups of choices (`n > 1`); turns each `RequestUpdate` into a `RequestDelta` (text, stop strings,
+logprobs, timings; the prompt's logprobs on a choice's first delta). It never sets a sequence's
+status: a stop string is reported to the scheduler (`Scheduler.stop_on_string`), which decides
+how the sequence finishes.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.outputs import RequestDelta, RequestTimings, TokenLogprob
+from pagedserve.engine.prompt_logprobs import PromptEntries, PromptLogprobs
 from pagedserve.engine.sampler import SamplingRow
 from pagedserve.engine.structured_outputs import GrammarRejectedError, Matcher
 from pagedserve.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerOutput
@@ -35,6 +38,7 @@ class ChoiceState:
     generator: torch.Generator | None  # set for seeded requests: seed + index
     group: RequestState
     matcher: Matcher | None = None  # a constrained choice's grammar state (its output tokens)
+    has_sent_prompt_logprobs: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -67,6 +71,7 @@ class OutputProcessor:
         self.device = device
         self.requests: dict[str, RequestState] = {}  # the user's request id -> its state
         self._choices: dict[str, ChoiceState] = {}  # sequence id -> its choice (an index)
+        self._prompt_logprobs = PromptLogprobs()
         self.num_prompt_tokens = 0  # prefilled: each choice's prompt, counted at its first token
         self.num_generation_tokens = 0
 
@@ -126,6 +131,18 @@ class OutputProcessor:
         """Each row's grammar matcher (None: unconstrained), in row order."""
         return [self._choices[row.sequence_id].matcher for row in rows]
 
+    def score_prompts(self, plan: SchedulerOutput, logits: Tensor) -> dict[str, Exception]:
+        """Prompt logprobs of this step's prompt rows (call before the scheduler's update).
+
+        Returns:
+            sequence id -> error for the sequences whose rows could not be scored.
+        """
+        try:
+            self._prompt_logprobs.add_step(plan, logits, self.scheduler.requests)
+        except Exception as error:  # noqa: BLE001 - fail the sequences that asked, keep serving
+            return {s.sequence_id: error for s in plan.requests if s.prompt_logprob_rows}
+        return {}
+
     # ---- after the scheduler's update ------------------------------------------------------
 
     def process(
@@ -136,11 +153,12 @@ class OutputProcessor:
     ) -> list[RequestDelta]:
         """One delta per update: new text (held back at a possible stop string), and for a
         finished choice its final delta. `draft_logprobs`: those of a speculative step's
-        accepted drafts, which precede the sampled token's."""
+        accepted drafts, which precede the sampled token's. An update without a token
+        (max_tokens 0: the request ended after its prompt) has no logprob."""
         deltas = []
         for update in updates:
             sequence_id = update.sequence_id
-            run = [*(draft_logprobs or {}).get(sequence_id, []), logprobs[sequence_id]]
+            run = [*(draft_logprobs or {}).get(sequence_id, []), logprobs.get(sequence_id)]
             deltas.append(self._process_update(update, run))
             self.num_generation_tokens += len(deltas[-1].new_token_ids)
         return deltas
@@ -173,7 +191,23 @@ class OutputProcessor:
             logprobs,
             sequence.num_prompt_tokens,
             sequence.num_output_tokens,
+            prompt_logprobs=self._take_prompt_logprobs(choice),
         )
+
+    def _take_prompt_logprobs(self, choice: ChoiceState) -> PromptEntries | None:
+        """The prompt's entries for this choice's first delta once they are all computed: its
+        own, or (a forked n > 1 choice) its parent's."""
+        sequence = choice.sequence
+        if sequence.sampling_params.prompt_logprobs is None or choice.has_sent_prompt_logprobs:
+            return None
+        source = (
+            sequence.sequence_id if sequence.needs_prompt_logprobs else sequence.parent_sequence_id
+        )
+        entries = self._prompt_logprobs.get(source or "", sequence.num_prompt_tokens)
+        choice.has_sent_prompt_logprobs = entries is not None
+        if entries is not None and len(choice.group.choices) == 1:
+            self._prompt_logprobs.discard(sequence.sequence_id)  # nobody else needs them
+        return entries
 
     # ---- finishing outside the token flow --------------------------------------------------
 
@@ -216,12 +250,15 @@ class OutputProcessor:
         error: str | None = None,
     ) -> RequestDelta:
         sequence, group = choice.sequence, choice.group
+        prompt_logprobs = self._take_prompt_logprobs(choice)
         del self._choices[sequence.sequence_id]
         group.num_finished += 1
         timings = None
         if group.num_finished == len(group.choices):  # the request's last choice
             del self.requests[group.request_id]
             timings = group.timings()
+            for member in group.choices:
+                self._prompt_logprobs.discard(member.sequence.sequence_id)
         return RequestDelta(
             group.request_id,
             choice.index,
@@ -235,6 +272,7 @@ class OutputProcessor:
             error=error,
             num_cached_prompt_tokens=sequence.num_cached_tokens,
             timings=timings,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -13,6 +13,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 = the most likely token; set for prompt tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,9 @@ class RequestDelta:
     error: str | None = None
     num_cached_prompt_tokens: int = 0
     timings: RequestTimings | None = None  # set on the final delta of the request's last choice
+    # With prompt logprobs: one entry per prompt token (None for the first), on the choice's
+    # first delta only.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -67,6 +71,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""`Sampler`: picks each sequence's next token from its logits row, honouring its SamplingParams.
+"""`Sampler`: picks each sequence's next token from its logits row, honouring its SamplingParams;
+and scores prompt rows (prompt logprobs) with the same log-softmax.
 
 Rows are independent: a seeded sequence draws from its own generator, so its output does not
 depend on what else is in the batch, and an error in one row fails only that sequence.
@@ -149,6 +150,46 @@ class Sampler:
         if row.banned_token_ids:
             logits[row.banned_token_ids] = float("-inf")
         return logits
+
+
+def score_prompt_rows(
+    logits: Tensor, target_token_ids: list[int], num_top: list[int]
+) -> list[TokenLogprob]:
+    """Logprob, rank and top alternatives of each row's target token (the next prompt token).
+
+    logits: [num_rows, vocab_size] float32, raw (the model's own distribution: no penalties,
+    as the prompt was given, not sampled). Only the small per-row results leave this function.
+    """
+    if not target_token_ids:
+        return []
+    logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab_size]
+    targets = torch.tensor(target_token_ids, device=logits.device)
+    chosen = logprobs.gather(1, targets[:, None])  # [num_rows, 1]
+    # An int32 sum of the comparison: over twice as fast as the default int64 one (measured).
+    ranks = ((logprobs > chosen).sum(dim=1, dtype=torch.int32) + 1).tolist()
+    max_top = max(num_top)
+    top_ids: list[list[int]] = [[] for _ in target_token_ids]
+    top_values: list[list[float]] = [[] for _ in target_token_ids]
+    if max_top:
+        top = logprobs.topk(max_top, dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    return [
+        TokenLogprob(
+            token_id,
+            value,
+            tuple(zip(ids[:k], values[:k], strict=True)),
+            rank,
+        )
+        for token_id, value, ids, values, k, rank in zip(
+            target_token_ids,
+            chosen[:, 0].tolist(),
+            top_ids,
+            top_values,
+            num_top,
+            ranks,
+            strict=True,
+        )
+    ]
 
 
 def _filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:

@@ -33,8 +33,8 @@ def check_admissible(
             f"{max_model_len} tokens (prompt + at least 1 output token must fit)",
             "prompt",
         )
-    # The last sampled token is returned, never fed back: it needs no slot.
-    total = min(num_prompt_tokens + max_tokens - 1, max_model_len)
+    # The last sampled token is returned, never fed back: it needs no slot (max_tokens 0: none).
+    total = min(num_prompt_tokens + max(max_tokens - 1, 0), max_model_len)
     if not block_manager.can_ever_fit(total):
         capacity = block_manager.pool.num_blocks * block_manager.block_size
         raise AdmissionError(

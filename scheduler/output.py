@@ -16,9 +16,12 @@ class ScheduledRequest:
     start_position: int  # == num_computed_tokens before this step
     slot_mapping: list[int]  # KV slot of each new token (from the request's BlockTable)
     block_ids: list[int]  # the full block table after this step's allocation
-    needs_sample: bool  # False for a non-final prefill chunk
+    needs_sample: bool  # False for a non-final prefill chunk (or when max_tokens is 0)
     # Speculative drafts: the tail of `token_ids` (after the last real token), to be verified
     draft_token_ids: tuple[int, ...] = ()
+    # Offsets into token_ids whose logits score the next prompt token (prompt logprobs): row i
+    # yields the logprob of prompt token start_position + i + 1.
+    prompt_logprob_rows: range = range(0)
 
     @property
     def num_new_tokens(self) -> int:

@@ -54,6 +54,11 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower is served first (vLLM's convention)
     parent_sequence_id: str | None = None  # n > 1: this choice forks from the parent's prompt
+    # Prompt logprobs: whether this sequence computes them (an n > 1 child forked from its parent
+    # reuses the parent's), and how many prompt tokens have theirs (the first, which has none,
+    # included). Unlike num_computed_tokens it survives preemption, so no row is sent twice.
+    needs_prompt_logprobs: bool = False
+    num_prompt_logprob_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -81,6 +86,53 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def has_prompt_logprobs_left(self) -> bool:
+        return (
+            self.needs_prompt_logprobs and self.num_prompt_logprob_tokens < self.num_prompt_tokens
+        )
+
+    @property
+    def max_cached_tokens(self) -> int | None:
+        """How much of the prompt may come from the prefix cache (None: all of it).
+
+        A cached position has no logits, and position p's logits score prompt token p + 1: only
+        positions whose row was already sent may be skipped.
+        """
+        if not self.has_prompt_logprobs_left:
+            return None
+        return max(self.num_prompt_logprob_tokens - 1, 0)
+
+    def prompt_logprob_rows(self, start: int, end: int) -> range:
+        """Rows of a step computing positions [start, end) that score prompt tokens still unsent.
+
+        ```
+        prompt   t0   t1   t2   t3   t4        row p scores token p + 1; t0 has no logprob
+        sent    |<- 3 ->|                      num_prompt_logprob_tokens = 3 (t0, t1, t2)
+        rows           [p2][p3]                positions 2 and 3 score t3 and t4
+        ```
+        """
+        if not self.has_prompt_logprobs_left:
+            return range(0)
+        first_unsent = max(self.num_prompt_logprob_tokens - 1, 0)
+        if start > first_unsent:  # a cached prefix would have to cover unsent rows
+            raise RuntimeError(
+                f"sequence {self.sequence_id}: positions [{start}, {end}) skip prompt logprobs "
+                f"(sent {self.num_prompt_logprob_tokens})"
+            )
+        first = max(start, first_unsent)
+        last = min(end, self.num_prompt_tokens - 1)
+        return range(first - start, max(last, first) - start)
+
+    def advance(self, num_new_tokens: int) -> None:
+        """The model computed the next `num_new_tokens` positions (and scored their prompt rows)."""
+        self.num_computed_tokens += num_new_tokens
+        if self.needs_prompt_logprobs:  # the rows up to here (and the first token's null) are sent
+            self.num_prompt_logprob_tokens = max(
+                self.num_prompt_logprob_tokens,
+                min(self.num_computed_tokens + 1, self.num_prompt_tokens),
+            )
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

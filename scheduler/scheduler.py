@@ -10,17 +10,16 @@ Each step, in this order, and why:
    never stall behind a long prompt; a long prompt is split into chunks (chunked prefill), and a
    chunk leaves one token of the budget for every decode behind it in the running order.
 3. When a table cannot grow (the pool is dry), the lowest-priority, latest-arrived running
-   request that is not yet scheduled is preempted (recompute: its blocks are released, its
-   progress reset to 0, its generated tokens kept) and the allocation is retried. If the failing
-   request is itself the victim, it is preempted and waits. No length ever advances for a failed
-   reservation. Because the oldest request can always take blocks from younger ones, and every
-   admitted request fits the pool alone (checked at admission), nothing starves.
+   request not yet scheduled is preempted (recompute: blocks released, progress reset to 0,
+   generated tokens kept) and the allocation retried; if that victim is the failing request, it
+   waits. No length advances for a failed reservation. The oldest request can always take blocks
+   from younger ones and every admitted request fits the pool alone, so nothing starves.
 4. Waiting requests are admitted (FCFS, or by priority) while budget, `max_num_seqs` and blocks
    last, reusing the longest cached prefix; none is admitted in a step that preempted, so a
    victim is not immediately replaced by a newcomer.
 
-`update_from_output` then advances `num_computed_tokens` by what was computed, appends sampled
-tokens, checks token-level stops and frees finished requests' blocks at once.
+`update_from_output` then advances `num_computed_tokens` by what was computed (accepted drafts
+included), appends sampled tokens, checks token-level stops and frees finished requests' blocks.
 """
 
 from __future__ import annotations
@@ -58,8 +57,7 @@ class Scheduler:
         self.num_preemptions = 0
         # Prompt tokens of admitted requests looked up in / found in the prefix cache, once per
         # request: not again for each step a blocked admission retries, nor after a preemption.
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.speculator = Speculator(config.speculative_config, block_manager, max_model_len)
 
     # ---- admission and removal -------------------------------------------------------------
@@ -126,7 +124,7 @@ class Scheduler:
         return len(self.running)
 
     @property
-    def num_waiting(self) -> int:
+    def num_waiting(self) -> int:  # queued, preempted, or an n > 1 choice waiting for its parent
         return len(self.waiting) + len(self.fork_waiting)
 
     # ---- one step --------------------------------------------------------------------------
@@ -207,7 +205,7 @@ class Scheduler:
         """Move the head of `waiting` to `running` if its first chunk gets blocks now."""
         block_manager = self.block_manager
         num_cached = block_manager.allocate_cached_prefix(
-            request.sequence_id, request.all_token_ids
+            request.sequence_id, request.all_token_ids, max_cached_tokens=request.max_cached_tokens
         )
         num_new_tokens = min(request.num_tokens - num_cached, token_budget)
         if not block_manager.allocate_slots(request.sequence_id, num_new_tokens, num_cached):
@@ -248,10 +246,10 @@ class Scheduler:
                 self.block_manager.fork(
                     parent.sequence_id, child.sequence_id, child.num_prompt_tokens
                 )
-                # Recompute the last prompt token: it yields this choice's own first logits, and its
-                # write into the shared block is what copy-on-write splits.
-                child.num_computed_tokens = child.num_prompt_tokens - 1
-                child.num_cached_tokens = child.num_computed_tokens
+                # Recompute the last prompt token: its logits are this choice's own, and its write
+                # into the shared block is what copy-on-write splits.
+                child.num_computed_tokens = child.num_cached_tokens = child.num_prompt_tokens - 1
+                child.needs_prompt_logprobs = False  # the parent has computed them
                 child.first_scheduled_time = time.monotonic()
                 child.status = RequestStatus.RUNNING
                 self.fork_waiting.remove(child)
@@ -263,8 +261,7 @@ class Scheduler:
                 self._insert_waiting_ahead(child)
 
     def _plan(self, request: Request, num_new_tokens: int, drafts: tuple = ()) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        end = start + num_new_tokens
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
         table = self.block_manager.get_table(request.sequence_id)
         return ScheduledRequest(
             sequence_id=request.sequence_id,
@@ -272,8 +269,9 @@ class Scheduler:
             start_position=start,
             slot_mapping=table.slot_mapping(start, end + len(drafts)),
             block_ids=table.block_ids,
-            needs_sample=end == request.num_tokens,
+            needs_sample=end == request.num_tokens and request.sampling_params.max_tokens > 0,
             draft_token_ids=drafts,
+            prompt_logprob_rows=request.prompt_logprob_rows(start, end),
         )
 
     # ---- after the forward pass ------------------------------------------------------------
@@ -290,8 +288,10 @@ class Scheduler:
                 continue
             new_token_ids, status = self.speculator.apply(request, scheduled, result)
             if not scheduled.needs_sample:
-                continue
-            if request.first_token_time is None:
+                if request.num_computed_tokens < request.num_tokens:
+                    continue  # a prompt chunk with more to come
+                status = RequestStatus.FINISHED_LENGTH  # max_tokens 0: the prompt is done
+            elif request.first_token_time is None:
                 request.first_token_time = now
             if status is not None:
                 self.finish_request(request.sequence_id, status)

@@ -78,7 +78,7 @@ class Speculator:
             run.append(result.sampled_token_ids[request.sequence_id])
             new_token_ids, status = request.append_run(run, self.max_model_len)
         num_real = scheduled.num_new_tokens - len(scheduled.draft_token_ids)
-        request.num_computed_tokens += num_real + max(len(new_token_ids) - 1, 0)
+        request.advance(num_real + max(len(new_token_ids) - 1, 0))
         self.block_manager.cache_computed_blocks(
             request.sequence_id, request.all_token_ids, request.num_computed_tokens
         )

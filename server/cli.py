@@ -36,6 +36,7 @@ BENCHMARKS = (
     "structured",
     "engine_state",
     "spec_decode",
+    "prompt_logprobs",
 )
 ENGINE_SECTIONS = ("model", "cache", "scheduler")
 CONFIG_FIELDS = frozenset(name for section in SECTIONS.values() for name in section.model_fields)

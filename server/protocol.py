@@ -119,6 +119,7 @@ class SamplingFields(_Request):
         logprobs: int | None,
         logit_bias: dict[int, float],
         structured_outputs: StructuredOutputs | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Raises SamplingParamsError (naming the field) for out-of-range values."""
         optional = {
@@ -144,6 +145,7 @@ class SamplingFields(_Request):
             logit_bias=logit_bias,
             logprobs=logprobs,
             structured_outputs=structured_outputs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -151,6 +153,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension
     suffix: str | None = None
     best_of: int | None = None
 
@@ -197,6 +200,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension
 
 
 class TokenizeRequest(_Request):
@@ -229,11 +233,35 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt logprobs entry, keyed by token id: the prompt's token and its alternatives."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token at that position
+    decoded_token: str
+
+
+# One per prompt token, None for the first (nothing precedes it), as vLLM's `prompt_logprobs`.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def _drop_null_prompt_logprobs(data: dict[str, Any]) -> dict[str, Any]:
+    # vLLM's extension appears only when asked for, so OpenAI-shaped bodies stay exactly so.
+    if data.get("prompt_logprobs") is None:
+        data.pop("prompt_logprobs", None)
+    return data
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return _drop_null_prompt_logprobs(handler(self))
 
 
 class CompletionResponse(BaseModel):
@@ -286,6 +314,11 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return _drop_null_prompt_logprobs(handler(self))
 
 
 class ChatDelta(BaseModel):

@@ -226,7 +226,9 @@ def check_plan(
         assert scheduled.slot_mapping == [
             table.block_ids[pos // size] * size + pos % size for pos in range(start, end)
         ]
-        assert scheduled.needs_sample == (end == request.num_tokens)
+        assert scheduled.needs_sample == (
+            end == request.num_tokens and request.sampling_params.max_tokens > 0
+        )
         for block_id in {slot // size for slot in scheduled.slot_mapping}:
             assert blocks[block_id].ref_count == 1, (
                 f"{request.sequence_id} writes shared block {block_id}"

@@ -14,6 +14,7 @@ from pagedserve.configs import StructuredOutputs
 from pagedserve.engine.outputs import TokenLogprob
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, Item, start_generation
+from pagedserve.server.logprobs import prompt_logprobs_body
 from pagedserve.server.prompts import chat_prompt, check_model, parse_logit_bias, resolve_max_tokens
 from pagedserve.server.protocol import (
     ChatChoice,
@@ -78,11 +79,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         requested, None, len(prompt.token_ids), engine.max_model_len, "messages", max_tokens_param
     )
     num_top = _logprobs_count(body)
+    if body.stream and body.prompt_logprobs is not None:  # as vLLM
+        raise invalid_request("prompt_logprobs is not available when streaming.", "prompt_logprobs")
     params = body.to_sampling_params(
         max_tokens,
         num_top,
         parse_logit_bias(body.logit_bias, engine.vocab_size),
         _constraint(body, plan),
+        prompt_logprobs=body.prompt_logprobs,
     )
     recorder = RequestRecorder(
         request.app.state.metrics,
@@ -105,7 +109,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             stream, header, engine.tokenizer, choices, num_top or 0, recorder, body.include_usage
         )
         return EventStreamResponse(sse_events(chunks))
-    response = await _collect(stream, header, engine.tokenizer, choices, num_top or 0, recorder)
+    response = await _collect(
+        stream, header, engine.tokenizer, choices, num_top or 0, recorder, body.prompt_logprobs
+    )
     return JSONResponse(response.model_dump())
 
 
@@ -190,9 +196,15 @@ async def _collect(
     choices: list[_Choice],
     num_top: int,
     recorder: RequestRecorder,
+    num_prompt_top: int | None,
 ) -> ChatCompletionResponse:
+    prompt_logprobs = None
     async with aclosing(stream):
         async for _, delta in stream:
+            if num_prompt_top is not None and delta.prompt_logprobs and prompt_logprobs is None:
+                prompt_logprobs = prompt_logprobs_body(
+                    tokenizer, delta.prompt_logprobs, num_prompt_top
+                )
             choice = choices[delta.index]
             choice.text += delta.new_text
             new_logprobs = _chat_logprobs(tokenizer, delta.new_logprobs, num_top)
@@ -223,4 +235,6 @@ async def _collect(
                 finish_reason=choice.finish_reason,
             )
         )
-    return ChatCompletionResponse(**header, choices=results, usage=recorder.usage())
+    return ChatCompletionResponse(
+        **header, choices=results, usage=recorder.usage(), prompt_logprobs=prompt_logprobs
+    )

@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.engine.outputs import TokenLogprob
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, Item, start_generation
+from pagedserve.server.logprobs import ChoiceText, prompt_logprobs_body
 from pagedserve.server.prompts import (
     check_model,
     completion_prompts,
@@ -38,42 +38,27 @@ def _check_supported(body: CompletionRequest) -> None:
         raise invalid_request("suffix is not supported.", "suffix")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise invalid_request("best_of must equal n (or be omitted).", "best_of")
-    if body.echo and body.logprobs is not None:
+    if body.stream and body.prompt_logprobs is not None:  # as vLLM: the legacy echo lists stream
         raise invalid_request(
-            "echo with logprobs would need prompt logprobs, which this server does not compute.",
-            "echo",
+            "prompt_logprobs is not available when streaming; use echo with logprobs.",
+            "prompt_logprobs",
+        )
+    if body.max_tokens == 0 and not body.echo and body.prompt_logprobs is None:
+        raise invalid_request(
+            "max_tokens 0 returns only the prompt: it needs echo or prompt_logprobs.", "max_tokens"
         )
 
 
-class _ChoiceText:
-    """Text and logprobs of one choice as it grows; `text_offset` counts from the choice's start."""
-
-    def __init__(self, tokenizer: Any, prefix: str) -> None:
-        self.tokenizer = tokenizer
-        self.pending_prefix = prefix  # the echoed prompt, sent with the first piece
-        self.num_chars = len(prefix)
-
-    def take(
-        self, new_text: str, new_logprobs: tuple[TokenLogprob, ...] | None
-    ) -> tuple[str, CompletionLogprobs | None]:
-        text, self.pending_prefix = self.pending_prefix + new_text, ""
-        if new_logprobs is None:
-            return text, None
-        logprobs = CompletionLogprobs()
-        for entry in new_logprobs:
-            token = self.tokenizer.decode([entry.token_id])
-            top = {
-                self.tokenizer.decode([token_id]): value for token_id, value in entry.top_logprobs
-            }
-            # The chosen token is always listed, with its own value even when another token of
-            # the top list decodes to the same text (the legacy format keys them by text).
-            top[token] = entry.logprob
-            logprobs.tokens.append(token)
-            logprobs.token_logprobs.append(entry.logprob)
-            logprobs.top_logprobs.append(top)
-            logprobs.text_offset.append(self.num_chars)
-            self.num_chars += len(token)
-        return text, logprobs
+def _engine_prompt_logprobs(body: CompletionRequest) -> int | None:
+    """How many alternatives the engine scores per prompt token (None: no prompt logprobs): for
+    the echoed legacy lists, for vLLM's `prompt_logprobs`, or (max_tokens 0 with a bare echo)
+    none, since the prompt is then all the request returns."""
+    wanted = [body.prompt_logprobs] if body.prompt_logprobs is not None else []
+    if body.echo and body.logprobs is not None:
+        wanted.append(body.logprobs)
+    if body.max_tokens == 0 and not wanted:
+        wanted.append(0)
+    return max(wanted) if wanted else None
 
 
 @router.post("/v1/completions", response_model=CompletionResponse)
@@ -98,6 +83,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                 body.logprobs,
                 logit_bias,
                 structured_outputs,
+                prompt_logprobs=_engine_prompt_logprobs(body),
             ),
             body.priority,
         )
@@ -117,21 +103,25 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         "created": int(time.time()),
         "model": engine.model_name,
     }
+    num_echo_top = body.logprobs if body.echo else None
     choices = {
-        (prompt_idx, index): _ChoiceText(engine.tokenizer, prompt.text if body.echo else "")
+        (prompt_idx, index): ChoiceText(
+            engine.tokenizer, prompt.text if body.echo else "", prompt.token_ids, num_echo_top
+        )
         for prompt_idx, prompt in enumerate(prompts)
         for index in range(n)
     }
     if body.stream:
         chunks = _stream_chunks(stream, header, choices, n, recorder, body.include_usage)
         return EventStreamResponse(sse_events(chunks))
-    return JSONResponse((await _collect(stream, header, choices, n, recorder)).model_dump())
+    response = await _collect(stream, header, choices, n, recorder, body.prompt_logprobs)
+    return JSONResponse(response.model_dump())
 
 
 async def _stream_chunks(
     stream: AsyncIterator[Item],
     header: dict[str, Any],
-    choices: dict[tuple[int, int], _ChoiceText],
+    choices: dict[tuple[int, int], ChoiceText],
     n: int,
     recorder: RequestRecorder,
     include_usage: bool,
@@ -139,8 +129,7 @@ async def _stream_chunks(
     exclude = None if include_usage else {"usage"}  # "usage": null only when usage is asked for
     async with aclosing(stream):
         async for prompt_idx, delta in stream:
-            choice_text = choices[(prompt_idx, delta.index)]
-            text, logprobs = choice_text.take(delta.new_text, delta.new_logprobs)
+            text, logprobs = choices[(prompt_idx, delta.index)].take(delta)
             if not (text or logprobs or delta.finished):
                 continue  # text held back by the detokenizer (partial character or stop string)
             choice = CompletionChoice(
@@ -157,19 +146,24 @@ async def _stream_chunks(
 async def _collect(
     stream: AsyncIterator[Item],
     header: dict[str, Any],
-    choices: dict[tuple[int, int], _ChoiceText],
+    choices: dict[tuple[int, int], ChoiceText],
     n: int,
     recorder: RequestRecorder,
+    num_prompt_top: int | None,
 ) -> CompletionResponse:
     results = {key: CompletionChoice(index=key[0] * n + key[1], text="") for key in choices}
     async with aclosing(stream):
         async for prompt_idx, delta in stream:
             result = results[(prompt_idx, delta.index)]
             choice_text = choices[(prompt_idx, delta.index)]
-            text, logprobs = choice_text.take(delta.new_text, delta.new_logprobs)
+            text, logprobs = choice_text.take(delta)
             result.text += text
             if logprobs is not None:
                 result.logprobs = _concat(result.logprobs, logprobs)
+            if num_prompt_top is not None and delta.prompt_logprobs is not None:
+                result.prompt_logprobs = prompt_logprobs_body(
+                    choice_text.tokenizer, delta.prompt_logprobs, num_prompt_top
+                )
             result.finish_reason = delta.finish_reason or result.finish_reason
     ordered = sorted(results.values(), key=lambda choice: choice.index)
     return CompletionResponse(**header, choices=ordered, usage=recorder.usage())

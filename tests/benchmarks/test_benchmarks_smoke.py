@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.benchmarks import attention, engine_state, memory, serving, step, throughput
+from pagedserve.benchmarks import (
+    attention,
+    engine_state,
+    memory,
+    prompt_logprobs,
+    serving,
+    step,
+    throughput,
+)
 from pagedserve.benchmarks.workload import (
     WorkloadConfig,
     build_prompts,
@@ -147,6 +155,18 @@ def test_throughput_benchmark_runs_ours_and_both_hf_baselines(tmp_path):
     ]
     assert rows[0]["num_output_tokens"] == 6 and rows[1]["extrapolated"] and rows[2]["extrapolated"]
     assert all(row["output_tokens_per_s"] > 0 for row in rows)
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_benchmark_times_both_systems_on_the_same_prompts(tmp_path):
+    output = tmp_path / "prompt_logprobs.json"
+    results = prompt_logprobs.main(
+        ["--num-requests", "2", "--prompt-tokens", "16", "--rounds", "2", "--output", str(output)]
+    )
+    assert read_results(output) == json.loads(json.dumps(results))
+    for name in ("prefill", "prefill+prompt_logprobs"):
+        assert len(results[name]["seconds_per_round"]) == 2 and results[name]["cpu_seconds"] > 0
+    assert results["ratio"] > 0 and results["cpu_ratio"] > 0
 
 
 @pytest.mark.slow

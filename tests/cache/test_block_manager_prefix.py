@@ -51,6 +51,22 @@ def test_block_holding_the_prompts_last_token_is_never_a_hit():
     manager.check_invariants()
 
 
+def test_max_cached_tokens_caps_the_hit_and_a_recomputed_prefix_is_not_cached_twice():
+    manager = make_manager()
+    run_prompt(manager, "a", PROMPT)  # blocks 0-3, the three full ones cached
+    # A request that needs the logits from position 5 on may skip at most 5 tokens: one block.
+    assert manager.allocate_cached_prefix("b", PROMPT, max_cached_tokens=5) == 4
+    assert manager.block_ids("b") == [0]
+    assert manager.allocate_cached_prefix("c", PROMPT, max_cached_tokens=0) == 0
+    assert manager.allocate_slots("c", 13, 0)
+    assert manager.block_ids("c") == [4, 5, 6, 7]  # computed again, in private blocks
+    manager.cache_computed_blocks("c", PROMPT, 13)  # equal hashes: a's blocks stay the cached ones
+    assert all(manager.pool.blocks[i].block_hash is None for i in (4, 5, 6, 7))
+    assert manager.allocate_cached_prefix("d", PROMPT) == 12
+    assert manager.block_ids("d") == [0, 1, 2]
+    manager.check_invariants()
+
+
 def test_one_token_prompt_is_never_a_hit():
     manager = make_manager()
     run_prompt(manager, "a", [5])

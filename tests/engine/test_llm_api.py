@@ -119,3 +119,12 @@ def test_chat_accepts_several_conversations(llm):
     )
     assert len(outputs) == 2 and outputs[0].prompt_token_ids != outputs[1].prompt_token_ids
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
+
+
+def test_generate_with_prompt_logprobs_and_max_tokens_zero_returns_only_them(llm):
+    (output,) = llm.generate("One, two, three", SamplingParams(max_tokens=0, prompt_logprobs=2))
+    assert output.outputs[0].token_ids == [] and output.outputs[0].finish_reason == "length"
+    entries = output.prompt_logprobs
+    assert len(entries) == len(output.prompt_token_ids) and entries[0] is None
+    assert [entry.token_id for entry in entries[1:]] == output.prompt_token_ids[1:]
+    assert all(len(entry.top_logprobs) == 2 and entry.rank >= 1 for entry in entries[1:])

@@ -230,7 +230,17 @@ CASES: list[Case] = [
     Case("logit_bias_huge", CHAT, chat(logit_bias={"1": 1e300}), param="logit_bias"),
     Case("best_of_differs_from_n", COMPLETIONS, completion(best_of=3), param="best_of"),
     Case("suffix_unsupported", COMPLETIONS, completion(suffix="x"), param="suffix"),
-    Case("echo_with_logprobs", COMPLETIONS, completion(echo=True, logprobs=1), param="echo"),
+    Case(
+        "prompt_logprobs_21", COMPLETIONS, completion(prompt_logprobs=21), param="prompt_logprobs"
+    ),
+    Case(
+        "prompt_logprobs_streamed",
+        CHAT,
+        chat(prompt_logprobs=1, stream=True),
+        param="prompt_logprobs",
+    ),
+    Case("max_tokens_zero_without_echo", COMPLETIONS, completion(max_tokens=0), param="max_tokens"),
+    Case("max_tokens_zero_in_chat", CHAT, chat(max_tokens=0), param="max_tokens"),
     # ---- huge stop lists ----------------------------------------------------------------------
     Case(
         "stop_list_10k",

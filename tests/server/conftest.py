@@ -40,9 +40,20 @@ class ByteTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
+def fake_prompt_logprobs(
+    prompt_token_ids: list[int], num_top: int
+) -> tuple[TokenLogprob | None, ...]:
+    """Prompt token i scores -i/10 (rank i), with "z" as its alternative."""
+    return (None,) + tuple(
+        TokenLogprob(token_id, -i / 10, ((ord("z"), -0.05),)[:num_top], rank=i)
+        for i, token_id in enumerate(prompt_token_ids[1:], start=1)
+    )
+
+
 class FakeEngine:
     """Choice i of a request writes "abcdefgh"[i:] one letter per step, then EOS ("stop");
-    `max_tokens` cuts it short ("length"). Records requests, aborts and early-closed streams."""
+    `max_tokens` cuts it short ("length"), max_tokens 0 ends after the prompt. Prompt logprobs
+    come on each choice's first delta. Records requests, aborts and early-closed streams."""
 
     model_name = "fake-model"
     max_model_len = 64
@@ -117,7 +128,27 @@ class FakeEngine:
         self.priorities[request_id] = priority
         self.in_flight += 1
         arrival, finished = time.monotonic(), set()
+        prompt_logprobs = (
+            None
+            if params.prompt_logprobs is None
+            else fake_prompt_logprobs(prompt_token_ids, params.prompt_logprobs)
+        )
         try:
+            if params.max_tokens == 0:
+                for choice in range(params.n):
+                    finished.add(choice)
+                    yield RequestDelta(
+                        request_id,
+                        choice,
+                        (),
+                        "",
+                        None,
+                        len(prompt_token_ids),
+                        0,
+                        True,
+                        "length",
+                        prompt_logprobs=prompt_logprobs,
+                    )
             for step in range(params.max_tokens):
                 for choice in range(params.n):
                     if choice in finished:
@@ -157,6 +188,7 @@ class FakeEngine:
                         reason is not None,
                         reason,
                         timings=timings,
+                        prompt_logprobs=prompt_logprobs if step == 0 else None,
                     )
                     if self.fail_after_first_delta is not None:
                         raise self.fail_after_first_delta

@@ -1,0 +1,98 @@
+"""Logprobs in the response formats: OpenAI's legacy completions lists (`tokens`,
+`token_logprobs`, `top_logprobs`, `text_offset`), with the echoed prompt first, and vLLM's
+`prompt_logprobs` (per prompt token, a dict keyed by token id)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.engine.outputs import RequestDelta, TokenLogprob
+from pagedserve.server.protocol import CompletionLogprobs, PromptLogprob, PromptLogprobs
+
+
+def prompt_logprobs_body(
+    tokenizer: Any, entries: tuple[TokenLogprob | None, ...], num_top: int
+) -> PromptLogprobs:
+    """vLLM's shape: None for the first token, then the prompt token and `num_top` alternatives."""
+    body: PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            body.append(None)
+            continue
+        position = {
+            str(token_id): PromptLogprob(
+                logprob=value, rank=rank, decoded_token=tokenizer.decode([token_id])
+            )
+            for rank, (token_id, value) in enumerate(entry.top_logprobs[:num_top], start=1)
+        }
+        position[str(entry.token_id)] = PromptLogprob(
+            logprob=entry.logprob,
+            rank=entry.rank,
+            decoded_token=tokenizer.decode([entry.token_id]),
+        )
+        body.append(position)
+    return body
+
+
+class ChoiceText:
+    """Text and legacy logprobs of one completion choice as it grows.
+
+    With `echo`, the prompt's text (and, when logprobs are asked for, its tokens' logprobs) comes
+    first, with the choice's first piece. `text_offset` counts characters from the start of the
+    choice's text: the prompt's tokens from 0, the generated ones from the end of the prompt.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prefix: str,
+        prompt_token_ids: list[int],
+        num_echo_top: int | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.pending_prefix = prefix  # the echoed prompt, sent with the first piece
+        self.num_chars = len(prefix)
+        self.prompt_token_ids = prompt_token_ids
+        self.num_echo_top = num_echo_top  # None: no prompt logprobs in the legacy lists
+
+    def take(self, delta: RequestDelta) -> tuple[str, CompletionLogprobs | None]:
+        """This delta's piece of text and logprobs (the pending echo first)."""
+        text, self.pending_prefix = self.pending_prefix + delta.new_text, ""
+        logprobs = None
+        if self.num_echo_top is not None and delta.prompt_logprobs is not None:
+            logprobs = CompletionLogprobs()
+            num_prompt_chars = 0
+            for token_id, entry in zip(self.prompt_token_ids, delta.prompt_logprobs, strict=True):
+                num_prompt_chars = self._append(
+                    logprobs, token_id, entry, num_prompt_chars, self.num_echo_top
+                )
+        if delta.new_logprobs is not None:
+            logprobs = logprobs or CompletionLogprobs()
+            for entry in delta.new_logprobs:
+                self.num_chars = self._append(logprobs, entry.token_id, entry, self.num_chars, None)
+        return text, logprobs
+
+    def _append(
+        self,
+        logprobs: CompletionLogprobs,
+        token_id: int,
+        entry: TokenLogprob | None,
+        offset: int,
+        num_top: int | None,
+    ) -> int:
+        """Add one token; returns the offset after it. `entry` None: the prompt's first token."""
+        token = self.tokenizer.decode([token_id])
+        logprobs.tokens.append(token)
+        logprobs.text_offset.append(offset)
+        if entry is None:
+            logprobs.token_logprobs.append(None)
+            logprobs.top_logprobs.append(None)
+            return offset + len(token)
+        alternatives = entry.top_logprobs if num_top is None else entry.top_logprobs[:num_top]
+        top = {self.tokenizer.decode([token_id]): value for token_id, value in alternatives}
+        # The chosen token is always listed, with its own value even when another token of
+        # the top list decodes to the same text (the legacy format keys them by text).
+        top[token] = entry.logprob
+        logprobs.token_logprobs.append(entry.logprob)
+        logprobs.top_logprobs.append(top)
+        return offset + len(token)
