@@ -35,6 +35,7 @@ BENCHMARKS = (
     "replicas",
     "structured",
     "engine_state",
+    "peers",
 )
 ENGINE_SECTIONS = ("model", "cache", "scheduler")
 CONFIG_FIELDS = frozenset(name for section in SECTIONS.values() for name in section.model_fields)
