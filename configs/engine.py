@@ -76,7 +76,11 @@ class ModelConfig(_Section):
 
 class CacheConfig(_Section):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
-    kv_cache_memory: str = Field("512MiB", description="KV cache budget on CPU (e.g. 512MiB, 2GiB)")
+    kv_cache_memory: str = Field(
+        "auto",
+        description="KV cache budget on CPU (e.g. 512MiB, 2GiB; auto: a quarter of the memory "
+        "available after the weights, at most 4GiB)",
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="fraction of GPU memory for weights + KV on CUDA"
     )
@@ -104,7 +108,7 @@ class CacheConfig(_Section):
     def _valid_size(cls, value: object) -> object:
         if isinstance(value, int) and not isinstance(value, bool):
             value = str(value)  # a plain byte count, as YAML or LLM(kv_cache_memory=2**30) give it
-        if isinstance(value, str):
+        if isinstance(value, str) and value.strip().lower() != "auto":
             parse_bytes(value)
         return value
 
