@@ -64,7 +64,9 @@ class ModelConfig(_Section):
     )
     tokenizer: str | None = Field(None, description="tokenizer folder or id (default: the model's)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "float32", description="weights dtype (also the KV cache's, unless --kv-cache-dtype)"
+        "float32",
+        description="weights dtype (also the KV cache's, unless --kv-cache-dtype; auto: "
+        "bfloat16 on CUDA and on CPUs with AVX512_BF16/AMX, float32 on other CPUs)",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs")
     max_model_len: int | None = Field(
