@@ -8,7 +8,8 @@ EOS ignored) runs through vLLM's offline `LLM` in a subprocess of its own venv (
 if missing: its pinned transformers differs from ours) and through our `LLM` in this process.
 Mode `equal`: each dtype with the same KV budget for both (`VLLM_CPU_KVCACHE_SPACE` GiB and
 `kv_cache_memory`); mode `defaults`: each engine as it starts with no settings. vLLM is bound to
-every core (`VLLM_CPU_OMP_THREADS_BIND=0-N`); pagedserve uses torch's default threads. Timed:
+every core (`VLLM_CPU_OMP_THREADS_BIND=0-N`); pagedserve uses torch's default threads (all
+cores); `--threads N` gives each engine N cores instead. Timed:
 `generate` over the whole workload after an untimed warm-up (start-up excluded for both).
 
 pagedserve's time is split into phases: attention (store + attend) in steps that carry prefill
@@ -34,6 +35,7 @@ from pagedserve.benchmarks.workload import (
     add_workload_args,
     build_prompts,
     load_tokenizer,
+    set_num_threads,
     workload_from_args,
     write_results,
 )
@@ -52,6 +54,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="equal budget for both")
     parser.add_argument("--modes", nargs="+", default=["equal", "defaults"])
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="cores for each engine: vLLM bound to 0..N-1, torch threads N (default: all cores; "
+        "1 is steadier on a machine other jobs load)",
+    )
     parser.add_argument("--vllm-venv", type=Path, default=Path.home() / "venv-vllm")
     parser.add_argument(
         "--no-install-vllm", action="store_true", help="skip vLLM if its venv lacks it"
@@ -95,7 +104,8 @@ def run_vllm(
     from pagedserve.engine.model_loader import resolve_model_path
 
     model_dir, _ = resolve_model_path(args.model)  # converts the default model if missing
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}")
+    num_cores = args.threads or os.cpu_count() or 1
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{num_cores - 1}")
     if mode == "equal":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
     else:
@@ -251,6 +261,7 @@ def cpu_description() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    set_num_threads(args.threads)
     workload = workload_from_args(args)
     prompts = build_prompts(workload, load_tokenizer(args.model))
     python = vllm_python(args)
@@ -258,10 +269,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     runs += [("defaults", None)] if "defaults" in args.modes else []
     rows = []
     for mode, dtype in runs:
+        first_new = len(rows)
         if python is not None:
             vllm_row = run_vllm(python, args, mode, dtype, prompts)
             rows += [vllm_row] if vllm_row else []
         rows.append(run_ours(args, mode, dtype, prompts))
+        for row in rows[first_new:]:  # progress: a full run takes tens of minutes
+            print(
+                f"done: {row['system']} {mode} {row['dtype']} in {row['seconds']:.1f} s", flush=True
+            )
     add_rates(rows)
     cpu = cpu_description()
     print(
