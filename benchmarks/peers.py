@@ -121,7 +121,12 @@ def run_vllm(
             command, env=env, capture_output=True, text=True, timeout=args.vllm_timeout
         )
         if done.returncode != 0 or not output_path.exists():
-            print(f"vLLM {mode} {dtype}: failed (exit {done.returncode})\n{done.stderr[-3000:]}")
+            log = args.output.with_name(f"peers_vllm_{mode}_{dtype or 'default'}.log")
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(done.stdout + done.stderr)
+            errors = [line for line in done.stderr.splitlines() if "Error" in line]
+            print(f"vLLM {mode} {dtype}: failed (exit {done.returncode}); log in {log}")
+            print("\n".join(errors[:10]))
             return None
         result = json.loads(output_path.read_text())
     result.pop("output_token_ids")
@@ -189,6 +194,12 @@ def run_ours(
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
+    num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if num_output_tokens != len(prompts) * args.output_tokens:  # e.g. requests that failed
+        raise RuntimeError(
+            f"pagedserve produced {num_output_tokens} tokens, "
+            f"expected {len(prompts) * args.output_tokens}"
+        )
     engine = llm.engine
     result = {
         "system": "pagedserve",
@@ -197,7 +208,7 @@ def run_ours(
         "dtype": str(next(engine.runner.model.parameters()).dtype).removeprefix("torch."),
         "seconds": seconds,
         "num_prompt_tokens": sum(map(len, prompts)),
-        "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "num_output_tokens": num_output_tokens,
         "phases": timer.phases(seconds),
     }
     del llm, engine, timer
