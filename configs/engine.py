@@ -66,7 +66,9 @@ class ModelConfig(_Section):
     )
     tokenizer: str | None = Field(None, description="tokenizer folder or id (default: the model's)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "float32", description="weights dtype (also the KV cache's, unless --kv-cache-dtype)"
+        "float32",
+        description="weights dtype (also the KV cache's, unless --kv-cache-dtype; auto: "
+        "bfloat16 on CUDA and on CPUs with AVX512_BF16/AMX, float32 on other CPUs)",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs")
     max_model_len: int | None = Field(
@@ -78,7 +80,11 @@ class ModelConfig(_Section):
 
 class CacheConfig(_Section):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
-    kv_cache_memory: str = Field("512MiB", description="KV cache budget on CPU (e.g. 512MiB, 2GiB)")
+    kv_cache_memory: str = Field(
+        "auto",
+        description="KV cache budget on CPU (e.g. 512MiB, 2GiB; auto: a quarter of the memory "
+        "available after the weights, at most 4GiB)",
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="fraction of GPU memory for weights + KV on CUDA"
     )
@@ -106,7 +112,7 @@ class CacheConfig(_Section):
     def _valid_size(cls, value: object) -> object:
         if isinstance(value, int) and not isinstance(value, bool):
             value = str(value)  # a plain byte count, as YAML or LLM(kv_cache_memory=2**30) give it
-        if isinstance(value, str):
+        if isinstance(value, str) and value.strip().lower() != "auto":
             parse_bytes(value)
         return value
 

@@ -55,7 +55,7 @@ class LLMEngine:
         spec = make_cache_spec(
             loaded.hf_config, loaded.model, config.cache.block_size, config.cache.kv_cache_dtype
         )
-        num_blocks = kv_cache_num_blocks(config, spec, device, loaded.model)
+        num_blocks = kv_cache_num_blocks(config, spec, device, loaded.model, self.max_model_len)
         self.cache_engine = CacheEngine(spec, num_blocks, device)
         logger.info("%s", self.cache_engine.describe(self.max_model_len))
         self.block_manager = BlockManager(

@@ -16,6 +16,13 @@ logger = logging.getLogger(__name__)
 # Activations of one forward pass per batched token, as a multiple of the hidden size, reserved on
 # CUDA before the KV cache takes the rest (a conservative stand-in for profiling a peak pass).
 _ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 64
+# The CPU's "auto" budget: a quarter of the memory available once the weights are loaded (less the
+# activations), so other processes and the allocator's slack keep the rest; at most 4 GiB (what
+# vLLM-CPU takes by default) and never more than max_num_seqs requests at max_model_len can use.
+CPU_AUTO_FRACTION = 0.25
+CPU_AUTO_CAP_BYTES = 4 << 30
+# Where /proc/meminfo cannot be read (not Linux): the old fixed default.
+CPU_FALLBACK_BYTES = 512 << 20
 
 
 def resolve_device(device: str) -> torch.device:
@@ -60,28 +67,79 @@ def make_cache_spec(
     )
 
 
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory available to a new allocation (None if unknown)."""
+    try:
+        with open(meminfo) as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def auto_cpu_kv_budget(
+    mem_available: int | None, activations: int, max_useful: int
+) -> tuple[int, str]:
+    """The default CPU budget and how it was chosen (for the start-up log).
+
+    Args:
+        mem_available: MemAvailable with the weights already loaded (None: unknown).
+        activations: bytes a peak forward pass needs on top.
+        max_useful: bytes of max_num_seqs requests at max_model_len (more is never used).
+    """
+    if mem_available is None:
+        budget = min(CPU_FALLBACK_BYTES, max_useful)
+        return budget, f"{_gib(budget)} (MemAvailable unknown: the fixed fallback)"
+    share = int(max(mem_available - activations, 0) * CPU_AUTO_FRACTION)
+    budget = min(share, CPU_AUTO_CAP_BYTES, max_useful)
+    return budget, (
+        f"{_gib(budget)} = min({CPU_AUTO_FRACTION:.0%} of {_gib(mem_available)} available less "
+        f"{_gib(activations)} for activations, cap {_gib(CPU_AUTO_CAP_BYTES)}, "
+        f"{_gib(max_useful)} that max_num_seqs requests at max_model_len can use)"
+    )
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def _activation_bytes(config: EngineConfig, model: torch.nn.Module) -> int:
+    hidden_size = getattr(model.config, "hidden_size", 4096)
+    tokens = config.scheduler.max_num_batched_tokens
+    return tokens * hidden_size * _ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN
+
+
 def kv_cache_num_blocks(
-    config: EngineConfig, spec: CacheSpec, device: torch.device, model: torch.nn.Module
+    config: EngineConfig,
+    spec: CacheSpec,
+    device: torch.device,
+    model: torch.nn.Module,
+    max_model_len: int | None = None,
 ) -> int:
-    """`num_kv_blocks` if given; on CPU the `kv_cache_memory` budget; on CUDA what
-    `gpu_memory_utilization` leaves after the weights and a forward pass's activations."""
+    """`num_kv_blocks` if given; on CPU the `kv_cache_memory` budget ("auto": sized from
+    MemAvailable); on CUDA what `gpu_memory_utilization` leaves after the weights and a forward
+    pass's activations."""
     cache = config.cache
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         _, total = torch.cuda.mem_get_info(device)
-        hidden_size = getattr(model.config, "hidden_size", 4096)
-        activations = (
-            config.scheduler.max_num_batched_tokens
-            * hidden_size
-            * _ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN
-        )
         budget = (
             int(total * cache.gpu_memory_utilization)
             - torch.cuda.memory_allocated(device)
-            - activations
+            - _activation_bytes(config, model)
         )
+    elif cache.kv_cache_memory.strip().lower() == "auto":
+        max_len = max_model_len or config.model.max_model_len or 4096
+        blocks_per_request = -(-max_len // spec.block_size)
+        max_useful = config.scheduler.max_num_seqs * blocks_per_request * spec.bytes_per_block
+        budget, reason = auto_cpu_kv_budget(
+            mem_available_bytes(), _activation_bytes(config, model), max_useful
+        )
+        logger.info("KV cache budget (kv_cache_memory=auto): %s", reason)
     else:
         budget = parse_bytes(cache.kv_cache_memory)
     num_blocks = spec.num_blocks_for_budget(max(budget, 0))

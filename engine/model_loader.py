@@ -27,6 +27,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16
 from pagedserve.cache.cache_engine import TORCH_DTYPES
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 
@@ -138,10 +139,26 @@ def _publish(staging: Path, folder: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto` is float32 on the CPU (bfloat16 matmuls are slow there) and bfloat16 on CUDA."""
+def resolve_dtype(
+    dtype: str, device: torch.device, cpu_flags: frozenset[str] | None = None
+) -> torch.dtype:
+    """The dtype the weights compute in; `cpu_flags` default to the host's.
+
+    `auto` is bfloat16 on CUDA and on a CPU with native bf16 dot products (AVX512_BF16 or AMX),
+    float32 on any other CPU: there bf16 matmuls are emulated through float32 and 3-4x slower.
+    An explicit bfloat16 is honoured everywhere, with a warning naming what the CPU lacks.
+    """
+    if device.type != "cpu":
+        return torch.bfloat16 if dtype == "auto" else TORCH_DTYPES[dtype]
+    missing = missing_native_bf16(host_cpu_flags() if cpu_flags is None else cpu_flags)
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.float32 if missing else torch.bfloat16
+    if dtype == "bfloat16" and missing:
+        logger.warning(
+            "dtype bfloat16 on a CPU without native bf16 (no %s): its matmuls are emulated, "
+            "typically 3-4x slower than float32 (--dtype auto picks float32 here)",
+            " or ".join(missing),
+        )
     return TORCH_DTYPES[dtype]
 
 

@@ -37,6 +37,7 @@ BENCHMARKS = (
     "engine_state",
     "spec_decode",
     "prompt_logprobs",
+    "peers",
 )
 ENGINE_SECTIONS = ("model", "cache", "scheduler")
 CONFIG_FIELDS = frozenset(name for section in SECTIONS.values() for name in section.model_fields)

@@ -1,8 +1,9 @@
 """CPU paged attention: a C++/OpenMP kernel (csrc/paged_attention.cpp) built on first use.
 
 The build is cached under ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``)
-in a directory keyed by the source, the torch install and the host CPU, so a rebuild happens only
-when one of them changes; an flock makes concurrent first uses wait for one build.
+in a directory keyed by the source, the torch install, the target ISA (``$PAGEDSERVE_CPU_ISA``:
+``native``, the default, ``avx2`` or ``avx512``) and the host CPU, so a rebuild happens only when
+one of them changes; an flock makes concurrent first uses wait for one build.
 """
 
 from __future__ import annotations
@@ -20,16 +21,32 @@ from typing import IO
 import torch
 from torch import Tensor
 
+from pagedserve.cache.attention.cpu_features import host_cpu_flags
 from pagedserve.cache.attention.metadata import AttentionMetadata
 from pagedserve.cache.attention.torch_ref import TorchPagedAttention, store_kv_by_slot
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-# -Wno-psabi: GCC notes the ABI of 64-byte vector returns on AVX2-only hosts; they never leave
-# the file.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-psabi"]
+# -Wno-psabi: GCC notes the ABI of wide vector returns; they never leave the file.
+_CFLAGS = ["-O3", "-fopenmp", "-Wno-psabi"]
 _LDFLAGS = ["-fopenmp"]
+ISA_ENV = "PAGEDSERVE_CPU_ISA"
+# The ISA the kernel is compiled for: `native` is the host's own (-march=native); `avx2` and
+# `avx512` build a fixed x86 level (tuned for the host), so a developer on an AVX-512 machine
+# builds, tests and times the AVX2 path as well. The kernel picks its vector width from the
+# level's macros (8 floats for AVX2, 16 for AVX-512).
+ISA_FLAGS = {
+    "native": ["-march=native"],
+    "avx2": ["-march=x86-64-v3", "-mtune=native"],  # AVX2, FMA, F16C, BMI2
+    "avx512": ["-march=x86-64-v4", "-mtune=native"],  # + AVX-512 F, BW, CD, DQ, VL
+}
+# /proc/cpuinfo flags an ISA build needs from the host (native needs nothing beyond the host).
+ISA_REQUIRED_FLAGS = {
+    "native": (),
+    "avx2": ("avx2", "fma", "f16c", "bmi2"),
+    "avx512": ("avx2", "fma", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+}
 # The kernel keeps a row in registers as kMaxChunks x 16 floats; larger heads take the reference.
 MAX_HEAD_DIM = 512
 
@@ -50,7 +67,25 @@ def _host_cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
-def _build_key() -> str:
+def requested_isa() -> str:
+    """`$PAGEDSERVE_CPU_ISA` (default native), checked.
+
+    Raises:
+        ValueError: not one of the known ISA names.
+    """
+    isa = os.environ.get(ISA_ENV, "").strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={isa!r} is not one of {', '.join(ISA_FLAGS)}")
+    return isa
+
+
+def host_runnable_isas(flags: frozenset[str] | None = None) -> list[str]:
+    """The ISA builds this host can execute (native always), from its /proc/cpuinfo flags."""
+    flags = host_cpu_flags() if flags is None else flags
+    return [isa for isa, needed in ISA_REQUIRED_FLAGS.items() if all(f in flags for f in needed)]
+
+
+def _build_key(isa: str, cflags: list[str]) -> str:
     """What the built extension depends on: a change to any of it builds a fresh copy."""
     digest = hashlib.sha256()
     for part in (
@@ -59,7 +94,8 @@ def _build_key() -> str:
         # Each torch install writes its own include paths into build.ninja: two venvs sharing one
         # build directory would rebuild it back and forth.
         str(Path(torch.__file__).parent).encode(),
-        str(_CFLAGS).encode(),
+        isa.encode(),
+        str(cflags).encode(),
         _host_cpu_signature().encode(),
     ):
         digest.update(part)
@@ -78,16 +114,26 @@ def _open_build_lock(build_dir: Path) -> IO[str]:
 
 
 @functools.cache
-def load_cpu_kernel() -> ModuleType:
-    """Build (first time) and import the C++ extension; cached for the process.
+def load_cpu_kernel(isa: str | None = None) -> ModuleType:
+    """Build (first time) and import the C++ extension for `isa` (None: `requested_isa()`);
+    cached for the process.
 
     Raises:
-        RuntimeError: the compiler or torch's build tooling failed, with the build log.
+        ValueError: an unknown ISA name.
+        RuntimeError: the host cannot execute that ISA, or the compiler or torch's build
+            tooling failed (with the build log).
     """
     from torch.utils import cpp_extension
 
-    key = _build_key()
-    build_dir = kernel_cache_dir() / f"paged_attention_{key}"
+    isa = isa or requested_isa()
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown CPU ISA {isa!r}; expected one of {', '.join(ISA_FLAGS)}")
+    if isa not in host_runnable_isas():
+        missing = [f for f in ISA_REQUIRED_FLAGS[isa] if f not in host_cpu_flags()]
+        raise RuntimeError(f"this CPU cannot run the {isa} kernel build (no {', '.join(missing)})")
+    cflags = _CFLAGS + ISA_FLAGS[isa]
+    key = _build_key(isa, cflags)
+    build_dir = kernel_cache_dir() / f"paged_attention_{isa}_{key}"
     flock = _open_build_lock(build_dir)
     if not (build_dir / f"pagedserve_paged_attention_{key}.so").exists():
         logger.info(
@@ -103,7 +149,7 @@ def load_cpu_kernel() -> ModuleType:
             return cpp_extension.load(
                 name=f"pagedserve_paged_attention_{key}",
                 sources=[str(_SOURCE)],
-                extra_cflags=_CFLAGS,
+                extra_cflags=cflags,
                 extra_ldflags=_LDFLAGS,
                 build_directory=str(build_dir),
                 verbose=False,
@@ -124,8 +170,9 @@ class CpuPagedAttention:
 
     name = "cpu"
 
-    def __init__(self) -> None:
-        self._kernel = load_cpu_kernel()
+    def __init__(self, isa: str | None = None) -> None:
+        self.isa = isa or requested_isa()
+        self._kernel = load_cpu_kernel(self.isa)
         self._reference: TorchPagedAttention | None = None  # for heads the kernel cannot take
 
     def store_kv(

@@ -215,6 +215,7 @@ def test_attention_benchmark_times_kernel_reference_and_sdpa_per_cache_dtype(tmp
             "--kv-cache-dtype",
             "auto",
             "fp8_e4m3",
+            "--isa",
             "--output",
             str(output),
         ]
@@ -303,3 +304,22 @@ def test_engine_state_benchmark_pairs_steps_with_and_without_the_poller(tmp_path
     assert results["expand_and_json_cpu_ms_mean"] > 0
     assert 0 < results["cost_share_max"] < 1
     assert results["json_bytes"] > 1000
+
+
+def test_attention_benchmark_times_each_isa_build_against_the_same_roofline(tmp_path):
+    from pagedserve.cache.attention.cpu import host_runnable_isas
+
+    isas = [isa for isa in host_runnable_isas() if isa != "native"]
+    if not isas:
+        pytest.skip("this CPU runs no explicit ISA build (no AVX2)")
+    rows = attention.main(
+        ["--batch", "2", "--context", "40", "--repeats", "1", "--dtype", "float32"]
+        + ["--isa", *isas, "--output", str(tmp_path / "attention.json")]
+    )
+    by_impl = {row["impl"]: row for row in rows}
+    for isa in isas:
+        kernel = by_impl[f"cpu_{isa}"]
+        assert f"cpu_{isa}_kv_in_l2" in by_impl
+        assert kernel["times_read_roofline"] == pytest.approx(
+            kernel["median_ms"] / by_impl["read_kv_once"]["median_ms"]
+        )

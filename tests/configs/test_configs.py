@@ -74,7 +74,8 @@ def test_each_preset_loads_by_name_and_path(preset: str):
     by_name = load_engine_config(config_file=preset, environ={})
     assert by_name == load_engine_config(config_file=PRESETS_DIR / f"{preset}.yaml", environ={})
     assert by_name.model.model == "SmolLM2-135M-Instruct"
-    assert parse_bytes(by_name.cache.kv_cache_memory) > 0
+    budget = by_name.cache.kv_cache_memory
+    assert budget == "auto" or parse_bytes(budget) > 0
 
 
 def test_presets_match_their_hardware():
@@ -228,3 +229,9 @@ def test_sampling_params_are_immutable():
     params = SamplingParams()
     with pytest.raises(AttributeError):
         params.temperature = 0.5  # type: ignore[misc]
+
+
+def test_kv_cache_memory_defaults_to_auto_and_accepts_it_in_any_case():
+    assert CacheConfig().kv_cache_memory == "auto"
+    assert CacheConfig(kv_cache_memory="AUTO").kv_cache_memory == "AUTO"
+    assert CacheConfig(kv_cache_memory="2GiB").kv_cache_memory == "2GiB"

@@ -6,6 +6,7 @@ temporary cache, so they never touch the user's `~/.cache/pagedserve`.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -102,10 +103,30 @@ def test_load_model_passes_attn_implementation(tiny_model_dir: Path):
     assert loaded.hf_config._attn_implementation == "eager"
 
 
-def test_auto_dtype_is_float32_on_cpu_and_bfloat16_on_cuda():
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+# Flags as /proc/cpuinfo reports them: AMD Zen 2 (AVX2, no bf16) and Intel Sapphire Rapids.
+ZEN2_FLAGS = frozenset({"avx", "avx2", "fma", "f16c"})
+SAPPHIRE_RAPIDS_FLAGS = ZEN2_FLAGS | {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+
+
+def test_auto_dtype_is_float32_on_a_cpu_without_native_bf16_and_bfloat16_where_it_has_it():
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, ZEN2_FLAGS) == torch.float32
+    assert resolve_dtype("auto", cpu, SAPPHIRE_RAPIDS_FLAGS) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, ZEN2_FLAGS | {"avx512_bf16"}) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda"), ZEN2_FLAGS) == torch.bfloat16
+    assert resolve_dtype("float16", cpu, ZEN2_FLAGS) == torch.float16
+
+
+def test_explicit_bfloat16_is_honoured_without_native_bf16_with_a_warning_naming_it(caplog):
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="pagedserve.engine.model_loader"):
+        assert resolve_dtype("bfloat16", cpu, ZEN2_FLAGS) == torch.bfloat16
+    assert "avx512_bf16 or amx_bf16" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pagedserve.engine.model_loader"):
+        assert resolve_dtype("bfloat16", cpu, SAPPHIRE_RAPIDS_FLAGS) == torch.bfloat16
+        assert resolve_dtype("float32", cpu, ZEN2_FLAGS) == torch.float32
+    assert caplog.text == ""
 
 
 @pytest.mark.parametrize(

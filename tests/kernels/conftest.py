@@ -94,9 +94,16 @@ def matches_reference() -> Callable[..., None]:
     return assert_matches_reference
 
 
-@pytest.fixture(scope="session")
-def cpu_backend():
-    """The C++ backend, built once per session (the first build takes about a minute)."""
+def _runnable_isas() -> list[str]:
+    from pagedserve.cache.attention.cpu import host_runnable_isas
+
+    return host_runnable_isas()
+
+
+@pytest.fixture(scope="session", params=_runnable_isas())
+def cpu_backend(request):
+    """The C++ backend once per ISA build this host can execute (native, and avx2 / avx512 where
+    the CPU has them), each built once per session (the first build takes a minute or more)."""
     from pagedserve.cache.attention.cpu import CpuPagedAttention
 
-    return CpuPagedAttention()
+    return CpuPagedAttention(isa=request.param)

