@@ -14,9 +14,21 @@ class ScheduledRequest:
     sequence_id: str
     token_ids: list[int]  # prefill chunk, or the last sampled token for a decode
     start_position: int  # == num_computed_tokens before this step
-    slot_mapping: list[int]  # KV slot of each new token (from the request's BlockTable)
-    block_ids: list[int]  # the full block table after this step's allocation
+    # Per layer group (one for most models): KV slot of each new token, and the full block table
+    # after this step's allocation (a sliding group's released entries are NULL_BLOCK, -1).
+    slot_mappings: tuple[list[int], ...]
+    block_tables: tuple[list[int], ...]
     needs_sample: bool  # False for a non-final prefill chunk
+
+    @property
+    def slot_mapping(self) -> list[int]:
+        """Group 0's slot mapping: the only group of a model without sliding-window layers."""
+        return self.slot_mappings[0]
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's block table (see `slot_mapping`)."""
+        return self.block_tables[0]
 
     @property
     def num_new_tokens(self) -> int:

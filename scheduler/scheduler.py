@@ -64,7 +64,13 @@ class Scheduler:
 
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise AdmissionError unless a request of this size could ever complete."""
-        check_admissible(num_prompt_tokens, max_tokens, self.max_model_len, self.block_manager)
+        check_admissible(
+            num_prompt_tokens,
+            max_tokens,
+            self.max_model_len,
+            self.block_manager,
+            self.config.max_num_batched_tokens,
+        )
 
     def add_request(self, request: Request) -> None:
         """Queue a sequence. The caller has checked it (`check_admissible`, a fresh id): the
@@ -232,7 +238,9 @@ class Scheduler:
             parent = self.requests.get(child.parent_sequence_id or "")
             if parent is not None and parent.status == RequestStatus.WAITING:
                 continue  # the parent has not started its prompt yet
-            if parent is not None and parent.status == RequestStatus.RUNNING:
+            running = parent is not None and parent.status == RequestStatus.RUNNING
+            # A sliding-window group may have released what the child needs: then it is an orphan.
+            if running and self.block_manager.can_fork(parent.sequence_id, child.num_prompt_tokens):
                 if parent.num_computed_tokens < parent.num_prompt_tokens:
                     continue  # prompt still being prefilled
                 if len(self.running) >= self.config.max_num_seqs:
@@ -257,13 +265,13 @@ class Scheduler:
     def _plan(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new_tokens
-        table = self.block_manager.get_table(request.sequence_id)
+        tables = [group[request.sequence_id] for group in self.block_manager.group_tables]
         return ScheduledRequest(
             sequence_id=request.sequence_id,
             token_ids=request.all_token_ids[start:end],
             start_position=start,
-            slot_mapping=table.slot_mapping(start, end),
-            block_ids=table.block_ids,
+            slot_mappings=tuple(table.slot_mapping(start, end) for table in tables),
+            block_tables=tuple(table.block_ids for table in tables),
             needs_sample=end == request.num_tokens,
         )
 

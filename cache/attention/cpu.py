@@ -146,16 +146,26 @@ class CpuPagedAttention:
         value_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
-        if query.shape[-1] > MAX_HEAD_DIM:
+        reason = _reference_reason(query.shape[-1], sliding_window, softcap, sinks)
+        if reason is not None:
             if self._reference is None:
-                logger.warning(
-                    "head_dim %d exceeds the CPU kernel's %d: using the slow torch reference",
-                    query.shape[-1],
-                    MAX_HEAD_DIM,
-                )
+                logger.warning("%s: using the slow torch reference for such layers", reason)
                 self._reference = TorchPagedAttention()
-            return self._reference.forward(query, key_cache, value_cache, meta, scale)
+            return self._reference.forward(
+                query,
+                key_cache,
+                value_cache,
+                meta,
+                scale,
+                sliding_window=sliding_window,
+                softcap=softcap,
+                sinks=sinks,
+            )
         # The kernel computes in float32 whatever the cache holds; queries and outputs are small.
         output = self._kernel.paged_attention(
             query.float().contiguous(),  # [num_tokens, num_heads, head_dim]
@@ -167,3 +177,15 @@ class CpuPagedAttention:
             scale,
         )
         return output.to(query.dtype)
+
+
+def _reference_reason(
+    head_dim: int, sliding_window: int | None, softcap: float | None, sinks: Tensor | None
+) -> str | None:
+    """Why a layer needs the torch reference instead of the C++ kernel, or None."""
+    if head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} exceeds the CPU kernel's {MAX_HEAD_DIM}"
+    # TODO(#19): the C++ kernel gains these once its AVX rewrite (branch `speed`) has landed.
+    if sliding_window is not None or softcap is not None or sinks is not None:
+        return "the CPU kernel has no sliding window, soft-capping or sinks yet"
+    return None
