@@ -46,9 +46,9 @@ class BlockManager:
     """sequence_id -> one BlockTable per layer group, with prefix caching and copy-on-write.
 
     `sliding_windows[g]` is group g's window (None: full attention); the default is one full
-    group. `tables` is group 0's map, the only one for a single-group model.
-    Invariant: each block's ref_count equals the number of table entries, over all groups, that
-    hold it (checked by `check_invariants`).
+    group. `tables` is group 0's map, the only one for a single-group model. `max_step_tokens`:
+    the most tokens one step schedules for a sequence (bounds a sliding group; None: unknown).
+    Invariant: each block's ref_count equals its table entries over all groups (`check_invariants`).
     """
 
     def __init__(
@@ -57,8 +57,9 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         sliding_windows: Sequence[int | None] = (None,),
+        max_step_tokens: int | None = None,
     ) -> None:
-        self.block_size = block_size
+        self.block_size, self.max_step_tokens = block_size, max_step_tokens
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.sliding_windows = tuple(sliding_windows)
         self.group_tables: list[dict[str, BlockTable]] = [{} for _ in self.sliding_windows]
@@ -78,18 +79,17 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def num_blocks_needed_at_most(self, num_tokens: int, max_step_tokens: int | None = None) -> int:
-        """Blocks a request of `num_tokens` holds at most over all groups, when no step adds more
-        than `max_step_tokens` (default: unknown, so a sliding group may hold them all)."""
-        step = num_tokens if max_step_tokens is None else max_step_tokens
+    def num_blocks_needed_at_most(self, num_tokens: int) -> int:
+        """Blocks a sequence of `num_tokens` holds at most, over all groups."""
+        step = num_tokens if self.max_step_tokens is None else self.max_step_tokens
         return sum(
             max_blocks_held(num_tokens, window, step, self.block_size)
             for window in self.sliding_windows
         )
 
-    def can_ever_fit(self, num_tokens: int, max_step_tokens: int | None = None) -> bool:
+    def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether `num_tokens` of context could fit in the whole pool, were it empty."""
-        return self.num_blocks_needed_at_most(num_tokens, max_step_tokens) <= self.pool.num_blocks
+        return self.num_blocks_needed_at_most(num_tokens) <= self.pool.num_blocks
 
     def get_table(self, sequence_id: str, group: int = 0) -> BlockTable:
         return self.group_tables[group][sequence_id]

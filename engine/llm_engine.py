@@ -59,7 +59,11 @@ class LLMEngine:
         self.cache_engine = CacheEngine(spec, num_blocks, device)
         logger.info("%s", self.cache_engine.describe(self.max_model_len))
         self.block_manager = BlockManager(
-            num_blocks, spec.block_size, config.cache.enable_prefix_caching, spec.sliding_windows
+            num_blocks,
+            spec.block_size,
+            config.cache.enable_prefix_caching,
+            spec.sliding_windows,
+            config.scheduler.max_num_batched_tokens,  # a sequence's most tokens in one step
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         backend = get_attention_backend(config.cache.attention_backend, device)

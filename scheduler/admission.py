@@ -17,15 +17,10 @@ class AdmissionError(ValueError):
 
 
 def check_admissible(
-    num_prompt_tokens: int,
-    max_tokens: int,
-    max_model_len: int,
-    block_manager: BlockManager,
-    max_step_tokens: int | None = None,
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_manager: BlockManager
 ) -> None:
-    """Raise AdmissionError unless a request of this size could ever complete, when no step
-    schedules more than `max_step_tokens` of it (a sliding-window group holds only its window's
-    blocks, plus one step's).
+    """Raise AdmissionError unless a request of this size could ever complete (a sliding-window
+    group holds only its window's blocks plus one step's: see the BlockManager).
 
     Raises:
         AdmissionError: with `param` "prompt" (empty, or no room for one output token) or
@@ -41,7 +36,7 @@ def check_admissible(
         )
     # The last sampled token is returned, never fed back: it needs no slot.
     total = min(num_prompt_tokens + max_tokens - 1, max_model_len)
-    num_blocks = block_manager.num_blocks_needed_at_most(total, max_step_tokens)
+    num_blocks = block_manager.num_blocks_needed_at_most(total)
     if num_blocks > block_manager.pool.num_blocks:
         raise AdmissionError(
             f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "

@@ -64,13 +64,7 @@ class Scheduler:
 
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise AdmissionError unless a request of this size could ever complete."""
-        check_admissible(
-            num_prompt_tokens,
-            max_tokens,
-            self.max_model_len,
-            self.block_manager,
-            self.config.max_num_batched_tokens,
-        )
+        check_admissible(num_prompt_tokens, max_tokens, self.max_model_len, self.block_manager)
 
     def add_request(self, request: Request) -> None:
         """Queue a sequence. The caller has checked it (`check_admissible`, a fresh id): the
@@ -239,7 +233,6 @@ class Scheduler:
             if parent is not None and parent.status == RequestStatus.WAITING:
                 continue  # the parent has not started its prompt yet
             running = parent is not None and parent.status == RequestStatus.RUNNING
-            # A sliding-window group may have released what the child needs: then it is an orphan.
             if running and self.block_manager.can_fork(parent.sequence_id, child.num_prompt_tokens):
                 if parent.num_computed_tokens < parent.num_prompt_tokens:
                     continue  # prompt still being prefilled
@@ -256,7 +249,7 @@ class Scheduler:
                 child.status = RequestStatus.RUNNING
                 self.fork_waiting.remove(child)
                 self._insert_running(child)
-            else:  # parent preempted or gone: serve this choice on its own (the prefix cache helps)
+            else:  # parent preempted, gone or past the child's window: serve this choice on its own
                 self.fork_waiting.remove(child)
                 child.parent_sequence_id = None
                 # In serve order like any request (it keeps its parent's arrival and priority).
