@@ -151,10 +151,13 @@ class CpuPagedAttention:
         softcap: float | None = None,
         sinks: Tensor | None = None,
     ) -> Tensor:
-        reason = _reference_reason(query.shape[-1], sliding_window, softcap, sinks)
-        if reason is not None:
+        if query.shape[-1] > MAX_HEAD_DIM:
             if self._reference is None:
-                logger.warning("%s: using the slow torch reference for such layers", reason)
+                logger.warning(
+                    "head_dim %d exceeds the CPU kernel's %d: using the slow torch reference",
+                    query.shape[-1],
+                    MAX_HEAD_DIM,
+                )
                 self._reference = TorchPagedAttention()
             return self._reference.forward(
                 query,
@@ -175,17 +178,8 @@ class CpuPagedAttention:
             meta.query_start_loc,
             meta.seq_lens,
             scale,
+            sliding_window or 0,
+            softcap or 0.0,
+            None if sinks is None else sinks.float().contiguous(),
         )
         return output.to(query.dtype)
-
-
-def _reference_reason(
-    head_dim: int, sliding_window: int | None, softcap: float | None, sinks: Tensor | None
-) -> str | None:
-    """Why a layer needs the torch reference instead of the C++ kernel, or None."""
-    if head_dim > MAX_HEAD_DIM:
-        return f"head_dim {head_dim} exceeds the CPU kernel's {MAX_HEAD_DIM}"
-    # TODO(#19): the C++ kernel gains these once its AVX rewrite (branch `speed`) has landed.
-    if sliding_window is not None or softcap is not None or sinks is not None:
-        return "the CPU kernel has no sliding window, soft-capping or sinks yet"
-    return None

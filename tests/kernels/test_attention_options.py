@@ -146,3 +146,22 @@ def test_window_reads_no_block_outside_it(paged_batch, cpu_backend):
             query, key_cache, value_cache, poisoned, 0.125, sliding_window=window
         )
         assert (actual - expected).abs().max().item() < 1e-5, backend.name
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_options_match_reference_at_compiled_head_sizes(
+    cpu_backend, paged_batch, matches_reference, head_dim, dtype
+):
+    # 64 and 128 take the kernel's compile-time paths; bfloat16 caches are widened per tile.
+    batch = paged_batch(
+        QUERY_LENS,
+        SEQ_LENS,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=head_dim,
+        block_size=5,
+        dtype=dtype,
+        seed=head_dim,
+    )
+    matches_reference(cpu_backend, batch, **_options("all"))
