@@ -159,16 +159,8 @@ class CpuPagedAttention:
                     MAX_HEAD_DIM,
                 )
                 self._reference = TorchPagedAttention()
-            return self._reference.forward(
-                query,
-                key_cache,
-                value_cache,
-                meta,
-                scale,
-                sliding_window=sliding_window,
-                softcap=softcap,
-                sinks=sinks,
-            )
+            options = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+            return self._reference.forward(query, key_cache, value_cache, meta, scale, **options)
         # The kernel computes in float32 whatever the cache holds; queries and outputs are small.
         output = self._kernel.paged_attention(
             query.float().contiguous(),  # [num_tokens, num_heads, head_dim]
