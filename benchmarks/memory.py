@@ -226,12 +226,9 @@ def sliding_window_rows(args: argparse.Namespace) -> list[CacheResult]:
     ):
         spec = CacheSpec(block_size=args.block_size, groups=groups, **GEMMA2_SHAPE)
         manager = BlockManager(
-            spec.num_blocks_for_budget(budget),
-            args.block_size,
-            False,
-            spec.sliding_windows,
-            args.max_num_batched_tokens,
+            spec.num_blocks_for_budget(budget), args.block_size, False, spec.sliding_windows
         )
+        manager.max_step_tokens = args.max_num_batched_tokens
         rows.append(run_scheduler(args, manager, prompts, max_model_len, name))
     kept, freed = rows
     print(

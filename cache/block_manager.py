@@ -10,10 +10,10 @@ scheduler. Pure Python, no tensors.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 from pagedserve.cache.block_hash import hash_block, lookup_chain
 from pagedserve.cache.block_pool import BlockPool
+from pagedserve.cache.block_snapshot import BlockManagerSnapshot, snapshot_block_manager
 from pagedserve.cache.block_table import NULL_BLOCK, BlockTable, ceil_div
 from pagedserve.cache.sliding_window import (
     first_block_needed,
@@ -25,26 +25,8 @@ from pagedserve.cache.sliding_window import (
 _NO_PARENT = 0  # group 0's chain seed; group g seeds its chain with g, so groups never share hashes
 
 
-@dataclass(frozen=True, slots=True)
-class BlockManagerSnapshot:
-    """A copy of the block bookkeeping at one instant: plain values, safe to read on any thread.
-
-    Columns are indexed by block id. A block is free when its ref count is 0; a free block whose
-    hash is still registered is "cached-free" (a later identical prefix can revive it).
-    """
-
-    block_size: int
-    num_blocks: int
-    num_free_blocks: int
-    enable_prefix_caching: bool
-    ref_counts: list[int]
-    is_hashed: list[bool]  # registered in the prefix-cache index under its chained hash
-    tables: dict[str, list[int]]  # sequence id -> block ids in logical order
-
-
 class BlockManager:
-    """sequence_id -> one BlockTable per layer group, with prefix caching and copy-on-write.
-
+    """sequence_id -> one BlockTable per layer group, with prefix caching and copy-on-write:
     `sliding_windows[g]` is group g's window (None: full attention); the default is one full
     group. `tables` is group 0's map, the only one for a single-group model. `max_step_tokens`:
     the most tokens one step schedules for a sequence (bounds a sliding group; None: unknown).
@@ -57,9 +39,9 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         sliding_windows: Sequence[int | None] = (None,),
-        max_step_tokens: int | None = None,
     ) -> None:
-        self.block_size, self.max_step_tokens = block_size, max_step_tokens
+        self.block_size = block_size
+        self.max_step_tokens: int | None = None  # see the class docstring; set by the engine
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.sliding_windows = tuple(sliding_windows)
         self.group_tables: list[dict[str, BlockTable]] = [{} for _ in self.sliding_windows]
@@ -70,10 +52,6 @@ class BlockManager:
     @property
     def tables(self) -> dict[str, BlockTable]:
         return self.group_tables[0]
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.sliding_windows)
 
     @property
     def num_free_blocks(self) -> int:
@@ -237,7 +215,7 @@ class BlockManager:
         """Register each block of `sequence_id` now full and computed in the prefix cache."""
         if not self.pool.enable_prefix_caching:
             return
-        for group in range(self.num_groups):
+        for group in range(len(self.sliding_windows)):
             table = self.group_tables[group][sequence_id]
             hashes = self._group_hashes[group][sequence_id]
             num_full_blocks = min(num_computed_tokens // self.block_size, len(table))
@@ -277,7 +255,7 @@ class BlockManager:
                 "or released some of them out of a sliding window"
             )
         end = ceil_div(num_tokens, self.block_size)
-        for group in range(self.num_groups):
+        for group in range(len(self.sliding_windows)):
             shared_ids = self.group_tables[group][parent_id].block_ids[:end]
             for block_id in shared_ids:
                 if block_id != NULL_BLOCK:
@@ -301,23 +279,8 @@ class BlockManager:
                 )
 
     def snapshot(self) -> BlockManagerSnapshot:
-        """Copy every block's ref count and hash flag, and every table (O(num_blocks), no mutation).
-
-        Flat lists, not an object per block: it runs on the engine thread between steps, and a
-        poller must not slow the steps down (benchmarks/engine_state.py measures it).
-        """
-        blocks = self.pool.blocks
-        return BlockManagerSnapshot(
-            block_size=self.block_size,
-            num_blocks=self.pool.num_blocks,
-            num_free_blocks=self.pool.num_free_blocks,
-            enable_prefix_caching=self.pool.enable_prefix_caching,
-            ref_counts=[block.ref_count for block in blocks],
-            is_hashed=[block.block_hash is not None for block in blocks],
-            tables={
-                sequence_id: list(table.block_ids) for sequence_id, table in self.tables.items()
-            },
-        )
+        """Copy every block's ref count and hash flag, and group 0's tables (no mutation)."""
+        return snapshot_block_manager(self)
 
     def check_invariants(self) -> None:
         """Raise RuntimeError unless ref counts match the tables exactly (plus the pool's own)."""

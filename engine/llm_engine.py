@@ -58,13 +58,10 @@ class LLMEngine:
         num_blocks = kv_cache_num_blocks(config, spec, device, loaded.model)
         self.cache_engine = CacheEngine(spec, num_blocks, device)
         logger.info("%s", self.cache_engine.describe(self.max_model_len))
-        self.block_manager = BlockManager(
-            num_blocks,
-            spec.block_size,
-            config.cache.enable_prefix_caching,
-            spec.sliding_windows,
-            config.scheduler.max_num_batched_tokens,  # a sequence's most tokens in one step
+        self.block_manager = BlockManager(  # a step adds at most max_num_batched_tokens
+            num_blocks, spec.block_size, config.cache.enable_prefix_caching, spec.sliding_windows
         )
+        self.block_manager.max_step_tokens = config.scheduler.max_num_batched_tokens
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         backend = get_attention_backend(config.cache.attention_backend, device)
         logger.info("attention backend: %s", backend.name)
