@@ -5,7 +5,9 @@ Drives the real `Scheduler` + `BlockManager` with fake sampled tokens (no model,
 measures concurrent running requests and waste (reserved but unwritten KV slots) every step. The
 contiguous baseline is arithmetic: `budget // max_model_len` requests, each wasting
 `max_model_len - its length`. Also measures the gain from prefix caching when every prompt starts
-with the same system prompt (token ids are seeded random: only lengths and sharing matter here).
+with the same system prompt (token ids are seeded random: only lengths and sharing matter here),
+and, for a Gemma-2-shaped cache (alternating sliding/full layers) at a fixed byte budget, the
+concurrency with and without freeing the blocks that left the sliding window.
 
     python -m pagedserve.benchmarks.memory [--kv-budget-tokens 16384] [--max-model-len 2048] [--num-requests 256]
 """
@@ -25,6 +27,7 @@ from pagedserve.benchmarks.workload import (
     write_results,
 )
 from pagedserve.cache.block_manager import BlockManager
+from pagedserve.cache.cache_spec import CacheSpec, group_layers
 from pagedserve.configs import SamplingParams
 from pagedserve.configs.engine import SchedulerConfig
 from pagedserve.scheduler import ModelRunnerOutput, Request, Scheduler
@@ -59,6 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=256,
         help="shared prefix for the prefix-caching comparison",
     )
+    parser.add_argument("--window-budget-gib", type=float, default=16.0)
+    parser.add_argument("--window-prompt-tokens", type=int, default=8192)
+    parser.add_argument("--window-num-requests", type=int, default=32)
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "memory.json")
     return parser.parse_args(argv)
 
@@ -94,12 +100,23 @@ def run_paged(
     manager = BlockManager(
         args.kv_budget_tokens // args.block_size, args.block_size, enable_prefix_caching
     )
+    return run_scheduler(args, manager, prompts, args.max_model_len, name)
+
+
+def run_scheduler(
+    args: argparse.Namespace,
+    manager: BlockManager,
+    prompts: list[list[int]],
+    max_model_len: int,
+    name: str,
+) -> CacheResult:
+    """The real scheduler over `manager` until every prompt is served (waste: group 0 only)."""
     config = SchedulerConfig(
         max_num_seqs=100_000,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting_requests=100_000,
     )
-    scheduler = Scheduler(config, manager, args.max_model_len)
+    scheduler = Scheduler(config, manager, max_model_len)
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
     for index, prompt in enumerate(prompts):
         scheduler.add_request(Request(f"mem-{index}", prompt, params, arrival_time=float(index)))
@@ -185,6 +202,45 @@ def print_goals(args: argparse.Namespace, rows: list[CacheResult]) -> None:
     )
 
 
+# Gemma-2-9B's cache shape: 42 layers alternating sliding (window 4096) / full attention,
+# 8 KV heads of 256 dims in bfloat16.
+GEMMA2_SHAPE = dict(num_layers=42, num_kv_heads=8, head_dim=256, dtype="bfloat16")
+GEMMA2_WINDOW = 4096
+
+
+def sliding_window_rows(args: argparse.Namespace) -> list[CacheResult]:
+    """Gemma-2-shaped long requests at a fixed byte budget: one table for all layers (every
+    block kept) against a table per layer group with out-of-window blocks released."""
+    rng = random.Random(args.seed)
+    prompts = [
+        [rng.randrange(VOCAB_SIZE) for _ in range(args.window_prompt_tokens)]
+        for _ in range(args.window_num_requests)
+    ]
+    max_model_len = args.window_prompt_tokens + args.output_tokens
+    budget = int(args.window_budget_gib * 2**30)
+    windows = [GEMMA2_WINDOW if layer % 2 == 0 else None for layer in range(42)]
+    rows = []
+    for name, groups in (
+        ("gemma2, all blocks kept", ()),
+        ("gemma2, out-of-window freed", group_layers(windows)),
+    ):
+        spec = CacheSpec(block_size=args.block_size, groups=groups, **GEMMA2_SHAPE)
+        manager = BlockManager(
+            spec.num_blocks_for_budget(budget), args.block_size, False, spec.sliding_windows
+        )
+        manager.max_step_tokens = args.max_num_batched_tokens
+        rows.append(run_scheduler(args, manager, prompts, max_model_len, name))
+    kept, freed = rows
+    print(
+        f"Gemma-2 shape at {args.window_budget_gib} GiB, {args.window_num_requests} requests of "
+        f"{args.window_prompt_tokens} + {args.output_tokens} tokens (window {GEMMA2_WINDOW}): "
+        f"mean concurrency {kept.mean_concurrency:.1f} keeping every block, "
+        f"{freed.mean_concurrency:.1f} freeing out-of-window blocks "
+        f"({freed.mean_concurrency / kept.mean_concurrency:.2f}x)"
+    )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     plain, shared = make_prompts(args, 0), make_prompts(args, args.system_prompt_tokens)
@@ -213,6 +269,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     print_table(rows, baselines)
     print_goals(args, rows)
+    window_rows = sliding_window_rows(args)
     results = [
         asdict(row)
         | {
@@ -220,7 +277,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             / baselines[row.cache].mean_concurrency
         }
         for row in rows
-    ]
+    ] + [asdict(row) for row in window_rows]
     write_results(args.output, args, results)
     return results
 

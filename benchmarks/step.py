@@ -77,9 +77,9 @@ class TimedBackend:
         self.inner.store_kv(*args)
         self.seconds += time.perf_counter() - start
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **options: Any) -> Any:
         start = time.perf_counter()
-        output = self.inner.forward(*args)
+        output = self.inner.forward(*args, **options)
         self.seconds += time.perf_counter() - start
         return output
 

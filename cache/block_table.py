@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# A table entry whose block was released because it left a sliding window: never read again.
+NULL_BLOCK = -1
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -23,6 +26,11 @@ class BlockTable:
 
     def __len__(self) -> int:
         return len(self.block_ids)
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Entries that hold a block (not released out of a sliding window)."""
+        return sum(block_id != NULL_BLOCK for block_id in self.block_ids)
 
     @property
     def num_slots(self) -> int:

@@ -21,8 +21,12 @@ KV_CACHE_DTYPES = {**TORCH_DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 class CacheEngine:
-    """Per layer, `key_caches[l]` and `value_caches[l]`, each of shape
-    [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """`key_caches[l]` and `value_caches[l]` for layer l, each of shape
+    [num_blocks, block_size, num_kv_heads, head_dim].
+
+    The spec's `layers_per_block` tensors are allocated once; layers of different groups that sit
+    at the same index in their group share a tensor (a block belongs to one group at a time).
+    """
 
     def __init__(self, spec: CacheSpec, num_blocks: int, device: torch.device | str) -> None:
         if num_blocks < 1:
@@ -35,36 +39,50 @@ class CacheEngine:
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         dtype = KV_CACHE_DTYPES[spec.dtype]
         # zeros, not empty: padding slots a kernel may touch must never hold NaNs.
-        self.key_caches = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)
+        self._key_tensors = [
+            torch.zeros(shape, dtype=dtype, device=self.device)
+            for _ in range(spec.layers_per_block)
         ]
+        # A latent cache has no V: the value views alias the latent, and are never written.
+        self._value_tensors = (
+            []
+            if spec.latent
+            else [
+                torch.zeros(shape, dtype=dtype, device=self.device)
+                for _ in range(spec.layers_per_block)
+            ]
+        )
+        placement = spec.tensor_of_layer()
+        self.key_caches = [self._key_tensors[index] for _, index in placement]
         self.value_caches = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)
+            (self._key_tensors if spec.latent else self._value_tensors)[index]
+            for _, index in placement
         ]
+        self.group_of_layer = [group for group, _ in placement]
 
     @property
     def num_bytes(self) -> int:
         return self.num_blocks * self.spec.bytes_per_block
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy block `src` to block `dst` in every layer (copy-on-write, before a shared block is
-        written)."""
+        """Copy block `src` to block `dst` in every layer tensor (copy-on-write before a shared
+        block is written)."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
-        for cache in (*self.key_caches, *self.value_caches):
+        for cache in (*self._key_tensors, *self._value_tensors):
             # As bytes: a block copy is dtype-blind, and CPU index_copy_ has no fp8 kernel.
             as_bytes = cache.view(torch.uint8)
             as_bytes.index_copy_(0, dst, as_bytes.index_select(0, src))
 
     def describe(self, max_model_len: int) -> str:
         num_tokens = self.num_blocks * self.spec.block_size
-        blocks_per_request = -(-max_model_len // self.spec.block_size)
+        blocks_per_request = self.spec.num_blocks_per_request(max_model_len)
         return (
             f"KV cache: {self.num_blocks} blocks x {self.spec.block_size} tokens = "
             f"{num_tokens} tokens, {self.num_bytes / 2**20:.1f} MiB ({self.spec.dtype}, "
-            f"{self.spec.bytes_per_block} B/block) on "
-            f"{self.device}; max concurrency at max_model_len {max_model_len}: "
-            f"{self.num_blocks / blocks_per_request:.1f} requests"
+            f"{self.spec.bytes_per_block} B/block) on {self.device}; layer groups: "
+            f"{self.spec.describe_groups()}; max concurrency at max_model_len "
+            f"{max_model_len}: {self.num_blocks / blocks_per_request:.1f} requests"
         )

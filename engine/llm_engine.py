@@ -50,7 +50,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = config.model.served_model_name or config.model.model
         self.vocab_size = loaded.hf_config.vocab_size
-        self.max_model_len = _cap_to_sliding_window(loaded.max_model_len, loaded.hf_config)
+        self.max_model_len = loaded.max_model_len
         self.eos_token_ids = _eos_token_ids(loaded)
         spec = make_cache_spec(
             loaded.hf_config, loaded.model, config.cache.block_size, config.cache.kv_cache_dtype
@@ -58,9 +58,10 @@ class LLMEngine:
         num_blocks = kv_cache_num_blocks(config, spec, device, loaded.model, self.max_model_len)
         self.cache_engine = CacheEngine(spec, num_blocks, device)
         logger.info("%s", self.cache_engine.describe(self.max_model_len))
-        self.block_manager = BlockManager(
-            num_blocks, spec.block_size, config.cache.enable_prefix_caching
+        self.block_manager = BlockManager(  # a step adds at most max_num_batched_tokens
+            num_blocks, spec.block_size, config.cache.enable_prefix_caching, spec.sliding_windows
         )
+        self.block_manager.max_step_tokens = config.scheduler.max_num_batched_tokens
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         backend = get_attention_backend(config.cache.attention_backend, device)
         logger.info("attention backend: %s", backend.name)
@@ -254,18 +255,6 @@ def sequence_id(request_id: str, index: int) -> str:
     """The scheduler's id of choice `index` of `request_id`. Distinct requests never share one:
     the index after the last "#" gives back both parts."""
     return f"{request_id}#{index}"
-
-
-def _cap_to_sliding_window(max_model_len: int, hf_config: object) -> int:
-    """Our kernels attend over the whole context: beyond a sliding window that would be wrong,
-    so such models serve at most `sliding_window` tokens, where both definitions agree."""
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and window < max_model_len:
-        logger.warning(
-            "capping max_model_len %d to the model's sliding window %d", max_model_len, window
-        )
-        return int(window)
-    return max_model_len
 
 
 def _eos_token_ids(loaded: LoadedModel) -> list[int]:

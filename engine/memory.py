@@ -8,7 +8,7 @@ import torch
 from transformers import PretrainedConfig
 
 from pagedserve.cache.cache_engine import TORCH_DTYPES
-from pagedserve.cache.cache_spec import CacheSpec
+from pagedserve.cache.cache_spec import CacheSpec, group_layers
 from pagedserve.configs import EngineConfig, parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def make_cache_spec(
     block_size: int,
     kv_cache_dtype: str = "auto",
 ) -> CacheSpec:
-    """Full-attention KV layout from the model's config.
+    """KV layout from the model's config, layers grouped by attention kind (full or sliding).
 
     `kv_cache_dtype` "auto" stores K/V in the weights' dtype; "fp8" is short for "fp8_e4m3"."""
     if kv_cache_dtype == "auto":
@@ -58,12 +58,23 @@ def make_cache_spec(
         kv_cache_dtype = "fp8_e4m3"
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    kv_lora_rank = getattr(hf_config, "kv_lora_rank", None)
+    if kv_lora_rank is not None:  # MLA (DeepSeek-V2/V3): the latent plus the shared rotary key
+        return CacheSpec(
+            num_layers=hf_config.num_hidden_layers,
+            num_kv_heads=1,
+            head_dim=kv_lora_rank + hf_config.qk_rope_head_dim,
+            dtype=kv_cache_dtype,
+            block_size=block_size,
+            latent=True,
+        )
     return CacheSpec(
         num_layers=hf_config.num_hidden_layers,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         dtype=kv_cache_dtype,
         block_size=block_size,
+        groups=group_layers(layer_sliding_windows(hf_config, model)),
     )
 
 
@@ -109,6 +120,27 @@ def _activation_bytes(config: EngineConfig, model: torch.nn.Module) -> int:
     hidden_size = getattr(model.config, "hidden_size", 4096)
     tokens = config.scheduler.max_num_batched_tokens
     return tokens * hidden_size * _ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN
+
+
+def layer_sliding_windows(hf_config: PretrainedConfig, model: torch.nn.Module) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as its attention module passes it.
+
+    Families with per-layer types (Gemma 2/3, Qwen2, GPT-OSS) keep it on the module as
+    `sliding_window`; Mistral passes its config's `sliding_window` for every layer. The paged
+    attention adapter checks at every call that the layer passes this very window.
+    """
+    windows: list[int | None] = [getattr(hf_config, "sliding_window", None)] * (
+        hf_config.num_hidden_layers
+    )
+    for name, module in model.named_modules():
+        layer_idx = getattr(module, "layer_idx", None)
+        if (
+            name.endswith("self_attn")
+            and layer_idx is not None
+            and hasattr(module, "sliding_window")
+        ):
+            windows[layer_idx] = module.sliding_window
+    return [int(window) if window else None for window in windows]
 
 
 def kv_cache_num_blocks(

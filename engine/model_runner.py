@@ -16,7 +16,9 @@ from torch import Tensor
 from transformers import AttentionInterface
 
 from pagedserve.cache.attention import AttentionBackend, AttentionMetadata
+from pagedserve.cache.attention.torch_ref import attend_over_histories
 from pagedserve.cache.cache_engine import CacheEngine
+from pagedserve.engine.latent_attention import PagedLatentCache
 from pagedserve.scheduler import SchedulerOutput
 
 ATTN_IMPLEMENTATION = "pagedserve"
@@ -26,10 +28,24 @@ ATTN_IMPLEMENTATION = "pagedserve"
 class PagedContext:
     """Everything one step's attention calls need; passed as a forward kwarg."""
 
-    meta: AttentionMetadata
-    key_caches: list[Tensor]
+    metas: tuple[AttentionMetadata, ...]  # one per layer group (block tables differ)
+    key_caches: list[Tensor]  # per layer
     value_caches: list[Tensor]
+    group_of_layer: list[int]
+    sliding_windows: tuple[int | None, ...]  # per group, as the block manager frees blocks
     backend: AttentionBackend
+    is_latent: bool = False  # MLA: K/V arrive expanded from the latent histories (see below)
+
+    def group_for(self, layer_idx: int, sliding_window: int | None) -> int:
+        """The layer's cache group, checked against the window the layer attends with: the
+        block manager would otherwise free (or keep) blocks the layer reads."""
+        group = self.group_of_layer[layer_idx]
+        if sliding_window != self.sliding_windows[group]:
+            raise RuntimeError(
+                f"layer {layer_idx} attends with sliding_window={sliding_window}, but its cache "
+                f"group was built for {self.sliding_windows[group]}"
+            )
+        return group
 
 
 def paged_attention_forward(
@@ -40,34 +56,38 @@ def paged_attention_forward(
     attention_mask: Tensor | None,  # unused: causality comes from the metadata
     scaling: float | None = None,
     paged_context: PagedContext | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
     **kwargs: object,
 ) -> tuple[Tensor, None]:
-    """Store this step's K/V at their slots, then attend over each request's paged history."""
+    """Store this step's K/V at their slots, then attend over each request's paged history.
+
+    The layer's own options arrive as the kwargs transformers passes every attention function:
+    `sliding_window`, `softcap` (Gemma 2) and `s_aux` (GPT-OSS sinks, one logit per head).
+    """
     if paged_context is None:
         raise RuntimeError("pagedserve attention called without paged_context (use ModelRunner)")
-    for name in _UNSUPPORTED_ATTENTION_KWARGS:  # silently dropping them would change the logits
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"the paged attention backends do not implement {name!r}")
     layer_idx = module.layer_idx
+    group = paged_context.group_for(layer_idx, sliding_window)
     key_cache, value_cache = (
         paged_context.key_caches[layer_idx],
         paged_context.value_caches[layer_idx],
     )
-    meta, backend = paged_context.meta, paged_context.backend
-    # [num_tokens, heads, head_dim] views: the kernels take strided inputs
-    backend.store_kv(
-        key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache, meta.slot_mapping
-    )
+    meta, backend = paged_context.metas[group], paged_context.backend
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = backend.forward(query[0].transpose(0, 1), key_cache, value_cache, meta, scale)
+    # [num_tokens, heads, head_dim] views: the kernels take strided inputs
+    query, key, value = (states[0].transpose(0, 1) for states in (query, key, value))
+    if paged_context.is_latent:  # the latent was stored by PagedLatentCache.update already
+        return attend_over_histories(query, key, value, meta, scale).unsqueeze(0), None
+    backend.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    options = dict(sliding_window=sliding_window, softcap=softcap, sinks=s_aux)
+    out = backend.forward(query, key_cache, value_cache, meta, scale, **options)
     return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
-# Attention features some families pass that the backends do not implement: logit soft-capping
-# (Gemma 2) and attention sinks (GPT-OSS).
-_UNSUPPORTED_ATTENTION_KWARGS = ("softcap", "s_aux")
 # Rotary variants that pick their scaling from the largest position in the whole flattened batch:
 # one long request would change the encoding of every short one batched with it.
 _BATCH_DEPENDENT_ROPE = ("longrope", "dynamic")
@@ -89,9 +109,15 @@ def check_paged_attention_support(model: torch.nn.Module) -> None:
             f"{name} does not route attention through transformers' "
             "AttentionInterface, so it cannot read the paged KV cache"
         )
-    if getattr(config, "attn_logit_softcapping", None) is not None:
+    if getattr(config, "kv_lora_rank", None) is not None and not all(
+        hasattr(module, "expand_kv") for module in _attention_modules(model)
+    ):
+        # The latent is only reachable where the attention writes it through `cache.update`
+        # and expands it afterwards (transformers' DeepSeek-V2/V3 layout): see latent_attention.
         raise ValueError(
-            f"{name} soft-caps attention logits, which the paged kernels do not implement"
+            f"{name} uses multi-head latent attention without transformers' latent-cache "
+            "layout (cache.update of the latent, then expand_kv), so its paged latent cache "
+            "cannot be filled; not supported"
         )
     for rope in (getattr(config, "rope_scaling", None), getattr(config, "rope_parameters", None)):
         rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
@@ -106,10 +132,8 @@ def check_paged_attention_support(model: torch.nn.Module) -> None:
 class PreparedBatch:
     input_ids: Tensor  # [1, num_tokens]
     position_ids: Tensor  # [1, num_tokens]
-    meta: AttentionMetadata
-    # [num_sampling_rows + num_prompt_logprob_rows]: the last token of each request that samples
-    # (then one row per draft), then the prompt rows that score the next prompt token (prompt
-    # logprobs), both in plan order
+    metas: tuple[AttentionMetadata, ...]  # one per layer group
+    # [num_sampling_rows + num_prompt_logprob_rows]: see `_logits_indices`
     logits_indices: Tensor
 
 
@@ -129,59 +153,97 @@ class ModelRunner:
     def prepare(self, plan: SchedulerOutput) -> PreparedBatch:
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        prompt_logprob_indices: list[int] = []
         for scheduled in plan.requests:
-            offset = len(input_ids)
-            prompt_logprob_indices.extend(offset + i for i in scheduled.prompt_logprob_rows)
             input_ids.extend(scheduled.token_ids)
             positions.extend(range(scheduled.start_position, scheduled.seq_len))
-            slot_mapping.extend(scheduled.slot_mapping)
             query_start_loc.append(len(input_ids))
             seq_lens.append(scheduled.seq_len)
-            if scheduled.needs_sample:  # the last real token's row, then one per draft
-                num_drafts = len(scheduled.draft_token_ids)
-                logits_indices.extend(range(len(input_ids) - 1 - num_drafts, len(input_ids)))
-        max_num_blocks = max(len(s.block_ids) for s in plan.requests)
-        block_tables = [
-            s.block_ids + [0] * (max_num_blocks - len(s.block_ids)) for s in plan.requests
-        ]
 
         def tensor(values: list, dtype: torch.dtype) -> Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slot_mapping, torch.int64),
-            block_tables=tensor(block_tables, torch.int32),
+        shared = dict(
             query_start_loc=tensor(query_start_loc, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32),
             max_query_len=max(s.num_new_tokens for s in plan.requests),
         )
+        metas = tuple(
+            AttentionMetadata(
+                slot_mapping=tensor(
+                    [slot for s in plan.requests for slot in s.slot_mappings[group]], torch.int64
+                ),
+                block_tables=tensor(_padded_block_tables(plan, group), torch.int32),
+                **shared,
+            )
+            for group in range(len(self.cache_engine.spec.groups))
+        )
         return PreparedBatch(
             input_ids=tensor(input_ids, torch.int64).unsqueeze(0),
             position_ids=tensor(positions, torch.int64).unsqueeze(0),
-            meta=meta,
-            logits_indices=tensor(logits_indices + prompt_logprob_indices, torch.int64),
+            metas=metas,
+            logits_indices=tensor(_logits_indices(plan), torch.int64),
         )
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> Tensor:
         """Logits [num_logits_rows, vocab_size] in float32, rows as `batch.logits_indices`."""
+        engine = self.cache_engine
         context = PagedContext(
-            batch.meta, self.cache_engine.key_caches, self.cache_engine.value_caches, self.backend
+            batch.metas,
+            engine.key_caches,
+            engine.value_caches,
+            engine.group_of_layer,
+            engine.spec.sliding_windows,
+            self.backend,
+            is_latent=engine.spec.latent,
         )
+        # MLA writes its latent through `cache.update`: give it the paged latent cache.
+        latent_cache = {}
+        if engine.spec.latent:
+            latent_cache["cache"] = PagedLatentCache(batch.metas[0], engine.key_caches)
         output = self.model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
             use_cache=False,
             logits_to_keep=batch.logits_indices,
             paged_context=context,
+            **latent_cache,
         )
         return output.logits[0].float()
 
     def execute(self, plan: SchedulerOutput) -> Tensor:
         self.cache_engine.copy_blocks(plan.block_copies)
         return self.forward(self.prepare(plan))
+
+
+def _logits_indices(plan: SchedulerOutput) -> list[int]:
+    """Rows whose logits are kept, in this order: each sampling sequence's last real token and one
+    row per draft (plan order), then the prompt rows that score prompt logprobs (plan order)."""
+    sampling_rows: list[int] = []
+    prompt_rows: list[int] = []
+    offset = 0
+    for scheduled in plan.requests:
+        prompt_rows.extend(offset + i for i in scheduled.prompt_logprob_rows)
+        offset += scheduled.num_new_tokens
+        if scheduled.needs_sample:  # the last real token's row, then one per draft
+            num_drafts = len(scheduled.draft_token_ids)
+            sampling_rows.extend(range(offset - 1 - num_drafts, offset))
+    return sampling_rows + prompt_rows
+
+
+def _padded_block_tables(plan: SchedulerOutput, group: int) -> list[list[int]]:
+    """Rows of one group's block tables, padded with block 0; a released entry (NULL_BLOCK) also
+    reads as block 0: it lies outside the layer's window, so no kernel loads it."""
+    rows = [[max(block, 0) for block in s.block_tables[group]] for s in plan.requests]
+    width = max(len(row) for row in rows)
+    return [row + [0] * (width - len(row)) for row in rows]
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [
+        module
+        for name, module in model.named_modules()
+        if name.endswith("self_attn") and getattr(module, "layer_idx", None) is not None
+    ]

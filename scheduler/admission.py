@@ -19,7 +19,8 @@ class AdmissionError(ValueError):
 def check_admissible(
     num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_manager: BlockManager
 ) -> None:
-    """Raise AdmissionError unless a request of this size could ever complete.
+    """Raise AdmissionError unless a request of this size could ever complete (a sliding-window
+    group holds only its window's blocks plus one step's: see the BlockManager).
 
     Raises:
         AdmissionError: with `param` "prompt" (empty, or no room for one output token) or
@@ -35,10 +36,11 @@ def check_admissible(
         )
     # The last sampled token is returned, never fed back: it needs no slot (max_tokens 0: none).
     total = min(num_prompt_tokens + max(max_tokens - 1, 0), max_model_len)
-    if not block_manager.can_ever_fit(total):
-        capacity = block_manager.pool.num_blocks * block_manager.block_size
+    num_blocks = block_manager.num_blocks_needed_at_most(total)
+    if num_blocks > block_manager.pool.num_blocks:
         raise AdmissionError(
             f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
-            f"{total} KV slots, but the whole cache holds {capacity}",
+            f"{num_blocks} KV blocks of {block_manager.block_size} slots over all layer groups, "
+            f"but the whole cache holds {block_manager.pool.num_blocks}",
             "max_tokens",
         )

@@ -14,14 +14,26 @@ class ScheduledRequest:
     sequence_id: str
     token_ids: list[int]  # prefill chunk, or the last sampled token for a decode
     start_position: int  # == num_computed_tokens before this step
-    slot_mapping: list[int]  # KV slot of each new token (from the request's BlockTable)
-    block_ids: list[int]  # the full block table after this step's allocation
+    # Per layer group (one for most models): KV slot of each new token, and the full block table
+    # after this step's allocation (a sliding group's released entries are NULL_BLOCK, -1).
+    slot_mappings: tuple[list[int], ...]
+    block_tables: tuple[list[int], ...]
     needs_sample: bool  # False for a non-final prefill chunk (or when max_tokens is 0)
     # Speculative drafts: the tail of `token_ids` (after the last real token), to be verified
     draft_token_ids: tuple[int, ...] = ()
     # Offsets into token_ids whose logits score the next prompt token (prompt logprobs): row i
     # yields the logprob of prompt token start_position + i + 1.
     prompt_logprob_rows: range = range(0)
+
+    @property
+    def slot_mapping(self) -> list[int]:
+        """Group 0's slot mapping: the only group of a model without sliding-window layers."""
+        return self.slot_mappings[0]
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's block table (see `slot_mapping`)."""
+        return self.block_tables[0]
 
     @property
     def num_new_tokens(self) -> int:

@@ -56,7 +56,7 @@ class Scheduler:
         self.fork_waiting: list[Request] = []  # n > 1 children waiting for their parent's prompt
         self.num_preemptions = 0
         # Prompt tokens of admitted requests looked up in / found in the prefix cache, once per
-        # request: not again for each step a blocked admission retries, nor after a preemption.
+        # request (not for each retry of a blocked admission, nor after a preemption).
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.speculator = Speculator(config.speculative_config, block_manager, max_model_len)
 
@@ -79,11 +79,9 @@ class Scheduler:
             self.waiting.append(request)
 
     def _order_key(self, request: Request) -> tuple[int, float]:
-        """Serve order (smaller first); the largest running key is preempted first.
-
-        FCFS ignores `priority`: the oldest request always goes first, which is what makes the
-        no-starvation argument hold. The priority policy serves lower values first, then FCFS.
-        """
+        """Serve order (smaller first); the largest running key is preempted first. FCFS ignores
+        `priority`: the oldest request always goes first, which is what makes the no-starvation
+        argument hold. The priority policy serves lower values first, then FCFS."""
         if self.config.scheduling_policy == "priority":
             return (request.priority, request.arrival_time)
         return (0, request.arrival_time)
@@ -229,7 +227,7 @@ class Scheduler:
         self.waiting.insert(bisect.bisect_left(keys, self._order_key(request)), request)
 
     def _insert_running(self, request: Request) -> None:
-        keys = [self._order_key(r) for r in self.running]
+        keys = [self._order_key(r) for r in self.running]  # behind equal keys: FCFS among equals
         self.running.insert(bisect.bisect_right(keys, self._order_key(request)), request)
 
     def _fork_ready_children(self) -> None:
@@ -238,7 +236,8 @@ class Scheduler:
             parent = self.requests.get(child.parent_sequence_id or "")
             if parent is not None and parent.status == RequestStatus.WAITING:
                 continue  # the parent has not started its prompt yet
-            if parent is not None and parent.status == RequestStatus.RUNNING:
+            running = parent is not None and parent.status == RequestStatus.RUNNING
+            if running and self.block_manager.can_fork(parent.sequence_id, child.num_prompt_tokens):
                 if parent.num_computed_tokens < parent.num_prompt_tokens:
                     continue  # prompt still being prefilled
                 if len(self.running) >= self.config.max_num_seqs:
@@ -254,7 +253,7 @@ class Scheduler:
                 child.status = RequestStatus.RUNNING
                 self.fork_waiting.remove(child)
                 self._insert_running(child)
-            else:  # parent preempted or gone: serve this choice on its own (the prefix cache helps)
+            else:  # parent preempted, gone or past the child's window: serve this choice on its own
                 self.fork_waiting.remove(child)
                 child.parent_sequence_id = None
                 # In serve order like any request (it keeps its parent's arrival and priority).
@@ -262,13 +261,13 @@ class Scheduler:
 
     def _plan(self, request: Request, num_new_tokens: int, drafts: tuple = ()) -> ScheduledRequest:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
-        table = self.block_manager.get_table(request.sequence_id)
+        tables = [group[request.sequence_id] for group in self.block_manager.group_tables]
         return ScheduledRequest(
             sequence_id=request.sequence_id,
             token_ids=request.all_token_ids[start:end] + list(drafts),
             start_position=start,
-            slot_mapping=table.slot_mapping(start, end + len(drafts)),
-            block_ids=table.block_ids,
+            slot_mappings=tuple(table.slot_mapping(start, end + len(drafts)) for table in tables),
+            block_tables=tuple(table.block_ids for table in tables),
             needs_sample=end == request.num_tokens and request.sampling_params.max_tokens > 0,
             draft_token_ids=drafts,
             prompt_logprob_rows=request.prompt_logprob_rows(start, end),

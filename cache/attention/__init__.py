@@ -59,8 +59,16 @@ class AttentionBackend(Protocol):
         value_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
-        """Causal attention of query ``[num_tokens, num_heads, head_dim]``; same shape back."""
+        """Causal attention of query ``[num_tokens, num_heads, head_dim]``; returns the same shape.
+
+        The keyword options are the layer's own (a sliding window, logit soft-capping, one sink
+        logit per head); `TorchPagedAttention.forward` defines them.
+        """
         ...
 
 

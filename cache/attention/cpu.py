@@ -114,6 +114,14 @@ def _open_build_lock(build_dir: Path) -> IO[str]:
 
 
 @functools.cache
+def _check_isa(isa: str) -> None:
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown CPU ISA {isa!r}; expected one of {', '.join(ISA_FLAGS)}")
+    if isa not in host_runnable_isas():
+        missing = [f for f in ISA_REQUIRED_FLAGS[isa] if f not in host_cpu_flags()]
+        raise RuntimeError(f"this CPU cannot run the {isa} kernel build (no {', '.join(missing)})")
+
+
 def load_cpu_kernel(isa: str | None = None) -> ModuleType:
     """Build (first time) and import the C++ extension for `isa` (None: `requested_isa()`);
     cached for the process.
@@ -126,11 +134,7 @@ def load_cpu_kernel(isa: str | None = None) -> ModuleType:
     from torch.utils import cpp_extension
 
     isa = isa or requested_isa()
-    if isa not in ISA_FLAGS:
-        raise ValueError(f"unknown CPU ISA {isa!r}; expected one of {', '.join(ISA_FLAGS)}")
-    if isa not in host_runnable_isas():
-        missing = [f for f in ISA_REQUIRED_FLAGS[isa] if f not in host_cpu_flags()]
-        raise RuntimeError(f"this CPU cannot run the {isa} kernel build (no {', '.join(missing)})")
+    _check_isa(isa)
     cflags = _CFLAGS + ISA_FLAGS[isa]
     key = _build_key(isa, cflags)
     build_dir = kernel_cache_dir() / f"paged_attention_{isa}_{key}"
@@ -193,6 +197,10 @@ class CpuPagedAttention:
         value_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         if query.shape[-1] > MAX_HEAD_DIM:
             if self._reference is None:
@@ -202,7 +210,8 @@ class CpuPagedAttention:
                     MAX_HEAD_DIM,
                 )
                 self._reference = TorchPagedAttention()
-            return self._reference.forward(query, key_cache, value_cache, meta, scale)
+            options = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+            return self._reference.forward(query, key_cache, value_cache, meta, scale, **options)
         # The kernel computes in float32 whatever the cache holds; queries and outputs are small.
         output = self._kernel.paged_attention(
             query.float().contiguous(),  # [num_tokens, num_heads, head_dim]
@@ -212,5 +221,8 @@ class CpuPagedAttention:
             meta.query_start_loc,
             meta.seq_lens,
             scale,
+            sliding_window or 0,
+            softcap or 0.0,
+            None if sinks is None else sinks.float().contiguous(),
         )
         return output.to(query.dtype)

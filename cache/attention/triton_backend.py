@@ -71,14 +71,19 @@ class TritonPagedAttention:
         value_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        num_kv_heads = key_cache.shape[2]
-        group_size, block_m, tokens_per_tile = _tile_shape(num_heads, num_kv_heads)
+        """Causal paged attention; the keyword options as in the torch reference."""
         query = query.contiguous()  # [num_tokens, num_heads, head_dim]
         output = torch.empty_like(query)
-        grid = (meta.num_reqs, num_kv_heads, -(-meta.max_query_len // tokens_per_tile))
-        self._kernels.paged_attention_kernel[grid](
+        constants = _compile_time_args(query, key_cache.shape[2], sliding_window, softcap, sinks)
+        # An unused pointer argument still needs a tensor: the query stands in for absent sinks.
+        sinks_arg = sinks.float().contiguous() if sinks is not None else query
+        num_tiles = -(-meta.max_query_len // constants["TOKENS_PER_TILE"])
+        self._kernels.paged_attention_kernel[(meta.num_reqs, key_cache.shape[2], num_tiles)](
             output,
             query,
             key_cache,
@@ -86,27 +91,41 @@ class TritonPagedAttention:
             meta.block_tables,
             meta.query_start_loc,
             meta.seq_lens,
+            sinks_arg,
             scale,
+            sliding_window or 0,
+            softcap or 0.0,
             meta.block_tables.shape[1],
             key_cache.shape[1],
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            GROUP_SIZE=group_size,
-            TOKENS_PER_TILE=tokens_per_tile,
-            BLOCK_M=block_m,
-            BLOCK_N=_BLOCK_N,
-            BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
-            DOT_FP32=query.dtype == torch.float32 or query.device.type == "cpu",
+            **constants,
         )
         return output
 
 
-def _tile_shape(num_heads: int, num_kv_heads: int) -> tuple[int, int, int]:
-    """(query heads per KV head, rows per tile, tokens per tile): a tile holds every query head of
-    one KV head for `tokens per tile` tokens."""
+def _compile_time_args(
+    query: Tensor,
+    num_kv_heads: int,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: Tensor | None,
+) -> dict[str, object]:
+    """The kernel's constexpr arguments: shapes, the query tile, and which options are on."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     group_size = num_heads // num_kv_heads
     block_m = max(_MIN_BLOCK_M, 1 << (group_size - 1).bit_length())
-    return group_size, block_m, block_m // group_size
+    return dict(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        GROUP_SIZE=group_size,
+        TOKENS_PER_TILE=block_m // group_size,
+        BLOCK_M=block_m,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
+        DOT_FP32=query.dtype == torch.float32 or query.device.type == "cpu",
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
+    )

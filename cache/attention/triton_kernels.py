@@ -40,7 +40,10 @@ def paged_attention_kernel(
     block_tables_ptr,  # [num_reqs, max_num_blocks_per_req] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
+    sinks_ptr,  # [num_heads] float32 (read only when HAS_SINKS)
     scale,
+    sliding_window,  # keys in (p - sliding_window, p] (read only when HAS_WINDOW)
+    softcap,  # scores -> softcap * tanh(scores / softcap) (read only when HAS_SOFTCAP)
     max_num_blocks_per_req,
     block_size,
     num_heads: tl.constexpr,
@@ -52,11 +55,16 @@ def paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # key positions per loop step
     BLOCK_D: tl.constexpr,  # head_dim padded to 2^k
     DOT_FP32: tl.constexpr,  # float32 inputs, or the interpreter (its bf16 tl.dot is wrong)
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Program (request, kv head, query tile): rows = tile tokens x the kv head's query heads.
 
     Keys are visited BLOCK_N positions at a time, each resolved through the block table, with an
-    online softmax (base 2), so K/V are read once per kv head group and never gathered.
+    online softmax (base 2), so K/V are read once per kv head group and never gathered. With a
+    sliding window the loop starts at the tile's oldest visible key; a sink starts each row's
+    softmax as if one key of logit ``sinks[head]`` (and value 0) had been seen.
     """
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -82,16 +90,23 @@ def paged_attention_kernel(
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
 
-    qk_scale = scale * 1.4426950408889634  # fold log2(e): exp2 below
+    log2e = 1.4426950408889634  # exp2 below
+    qk_scale = scale * log2e
     # Finite start (not -inf) so fully masked padding rows never compute inf - inf.
     row_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        row_max = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * log2e
+        row_sum = tl.full([BLOCK_M], 1.0, dtype=tl.float32)  # exp2(sink - row_max)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     num_keys = tl.minimum(seq_len, first_position + tile_start + TOKENS_PER_TILE)
     table = block_tables_ptr + request.to(tl.int64) * max_num_blocks_per_req
-    for key_begin in range(0, num_keys, BLOCK_N):
+    first_key = 0
+    if HAS_WINDOW:  # older keys are outside every row's window: never loaded (may be freed)
+        first_key = tl.maximum(first_position + tile_start - sliding_window + 1, 0)
+    for key_begin in range((first_key // BLOCK_N) * BLOCK_N, num_keys, BLOCK_N):
         positions = key_begin + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        key_mask = positions < num_keys
+        key_mask = (positions < num_keys) & (positions >= first_key)
         block = tl.load(table + positions // block_size, mask=key_mask, other=0).to(tl.int64)
         slot = block * block_size + positions % block_size
         kv_offsets = (slot * num_kv_heads + kv_head) * head_dim  # [BLOCK_N]
@@ -104,8 +119,14 @@ def paged_attention_kernel(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
             scores = tl.dot(q, tl.trans(k))
-        scores = scores * qk_scale  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates cleanly at +-1
+            capped = scores * (scale / softcap)
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0)) * log2e
+        else:
+            scores = scores * qk_scale  # [BLOCK_M, BLOCK_N]
         is_visible = key_mask[None, :] & (positions[None, :] <= row_position[:, None])
+        if HAS_WINDOW:
+            is_visible &= positions[None, :] > row_position[:, None] - sliding_window
         scores = tl.where(is_visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         probs = tl.exp2(scores - new_max[:, None])

@@ -93,11 +93,22 @@ def test_memory_benchmark_fits_more_paged_requests_than_contiguous_with_sub_bloc
             "16",
             "--system-prompt-tokens",
             "64",
+            "--window-budget-gib",
+            "6",
+            "--window-prompt-tokens",
+            "12288",
+            "--window-num-requests",
+            "8",
             "--output",
             str(output),
         ]
     )
     rows = {row["cache"]: row for row in read_results(output)}
+    # Gemma-2 shape, 12288 + 16 tokens per request: keeping every block costs 12304 tokens of
+    # all 42 layers; freeing, 12304 of 21 layers + ~4096 of the other 21: ~1.5x the requests.
+    kept = rows["gemma2, all blocks kept"]["mean_concurrency"]
+    freed = rows["gemma2, out-of-window freed"]["mean_concurrency"]
+    assert freed > 1.2 * kept
     assert rows["contiguous"]["mean_concurrency"] == 8
     assert rows["paged"]["concurrency_vs_contiguous"] > 2
     assert all(

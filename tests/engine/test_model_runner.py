@@ -57,13 +57,13 @@ def test_slot_mapping_equals_the_block_tables_slot_mapping(tiny_loaded):
         for scheduled in plan.requests:
             table = engine.block_manager.tables.get(scheduled.sequence_id)
             if table is not None:  # still running: its table is the one the step wrote through
-                assert scheduled.block_ids == table.block_ids
-            expected += scheduled.slot_mapping
-            rebuilt = BlockTable(4, list(scheduled.block_ids))
-            assert scheduled.slot_mapping == rebuilt.slot_mapping(
+                assert scheduled.block_tables[0] == table.block_ids
+            expected += scheduled.slot_mappings[0]
+            rebuilt = BlockTable(4, list(scheduled.block_tables[0]))
+            assert scheduled.slot_mappings[0] == rebuilt.slot_mapping(
                 scheduled.start_position, scheduled.seq_len
             )
-        assert batch.meta.slot_mapping.tolist() == expected
+        assert batch.metas[0].slot_mapping.tolist() == expected
         assert batch.position_ids[0].tolist() == [
             pos for s in plan.requests for pos in range(s.start_position, s.seq_len)
         ]
@@ -88,7 +88,9 @@ def test_logits_are_computed_only_for_sampled_positions_and_equal_the_full_forwa
         assert logits_seen[-1].dtype == torch.float32
         assert batch.logits_indices.tolist() == [
             end - 1
-            for s, end in zip(plan.requests, batch.meta.query_start_loc[1:].tolist(), strict=True)
+            for s, end in zip(
+                plan.requests, batch.metas[0].query_start_loc[1:].tolist(), strict=True
+            )
             if s.needs_sample
         ]
     assert saw_partial_chunk, "the budget should split prompt a into chunks"

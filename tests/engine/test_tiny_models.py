@@ -110,22 +110,6 @@ UNSERVABLE = {
         ),
         "AttentionInterface",
     ),
-    "gemma2-softcap": (
-        lambda: _tiny(
-            transformers.Gemma2ForCausalLM,
-            transformers.Gemma2Config(
-                vocab_size=128,
-                hidden_size=64,
-                intermediate_size=128,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                num_hidden_layers=2,
-                attn_logit_softcapping=1.0,
-            ),
-        ),
-        "soft-caps",
-    ),
     "phi3-longrope": (
         lambda: _tiny(
             transformers.Phi3ForCausalLM,

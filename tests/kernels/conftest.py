@@ -70,13 +70,18 @@ def make_paged_batch(
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def assert_matches_reference(backend, batch: PagedBatch, scale: float = 0.125) -> None:
-    """Run `backend` and the torch reference on one batch; fail with the error if out of tolerance."""
+def assert_matches_reference(
+    backend, batch: PagedBatch, scale: float = 0.125, **options: object
+) -> None:
+    """Run `backend` and the torch reference on one batch; fail with the error if out of tolerance.
+
+    `options` are the per-layer keyword options (sliding_window, softcap, sinks), given to both.
+    """
     from pagedserve.cache.attention import TorchPagedAttention
 
     query, key_cache, value_cache, meta = batch
-    actual = backend.forward(query, key_cache, value_cache, meta, scale)
-    expected = TorchPagedAttention().forward(query, key_cache, value_cache, meta, scale)
+    actual = backend.forward(query, key_cache, value_cache, meta, scale, **options)
+    expected = TorchPagedAttention().forward(query, key_cache, value_cache, meta, scale, **options)
     assert actual.shape == query.shape and actual.dtype == query.dtype
     error = (actual.float() - expected.float()).abs().max().item()
     assert error <= TOLERANCE[query.dtype], f"max abs error {error:.3g} for {query.dtype}"

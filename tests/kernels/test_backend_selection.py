@@ -34,7 +34,7 @@ def test_triton_on_cpu_without_interpreter_raises_clear_error(monkeypatch):
 def test_auto_falls_back_to_reference_with_warning_when_kernel_build_fails(monkeypatch, caplog):
     from pagedserve.cache.attention import cpu
 
-    def failing_build():
+    def failing_build(isa=None):
         raise RuntimeError("compiler exploded")
 
     monkeypatch.setattr(cpu, "load_cpu_kernel", failing_build)
@@ -48,7 +48,7 @@ def test_explicit_cpu_backend_raises_when_kernel_build_fails(monkeypatch):
     from pagedserve.cache.attention import cpu
 
     monkeypatch.setattr(
-        cpu, "load_cpu_kernel", lambda: (_ for _ in ()).throw(RuntimeError("no cc"))
+        cpu, "load_cpu_kernel", lambda isa=None: (_ for _ in ()).throw(RuntimeError("no cc"))
     )
     with pytest.raises(RuntimeError, match="no cc"):
         get_attention_backend("cpu", CPU)

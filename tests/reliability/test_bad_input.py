@@ -375,7 +375,9 @@ CASES: list[Case] = [
         completion(frobnicate=True, tools=[1]),
         statuses=OK,
     ),
-    Case("unknown_fields_chat", CHAT, chat(response_format={"type": "json"}, x=None), statuses=OK),
+    Case("unknown_fields_chat", CHAT, chat(frobnicate={"a": 1}, x=None), statuses=OK),
+    # response_format is acted on now (structured outputs): an unknown type is refused, not ignored
+    Case("response_format_unknown_type", CHAT, chat(response_format={"type": "json"})),
     Case("unknown_fields_tokenize", TOKENIZE, j(prompt="Hi", extra={"a": 1}), statuses=OK),
     # ---- wrong content types and methods ------------------------------------------------------
     Case(

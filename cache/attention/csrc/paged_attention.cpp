@@ -204,6 +204,11 @@ struct Problem {
   int64_t max_num_blocks_per_req;
   int block_size, num_heads, num_kv_heads, head_dim;
   float scale;
+  // Per-layer options (see torch_ref.py): keys in (p - window, p] only (0: no window); scores
+  // capped to softcap * tanh(s / softcap) (0: none); one sink logit per head (nullptr: none).
+  int sliding_window;
+  float softcap;
+  const float* sinks;
 };
 
 // scores[t] = q . k[t] for keys [0, num_keys). A row's query chunks stay in registers.
@@ -345,6 +350,12 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
   std::vector<float> value_tile(static_cast<size_t>(kKeyTile) * stride, 0.0f);
   std::vector<float> row_max(num_rows, -std::numeric_limits<float>::infinity());
   std::vector<float> row_sum(num_rows, 0.0f);
+  if (p.sinks != nullptr) {  // as if one key of logit sinks[head] and value 0 had been seen
+    for (int m = 0; m < num_rows; ++m) {
+      row_max[m] = p.sinks[kv_head * group_size + m % group_size];
+      row_sum[m] = 1.0f;
+    }
+  }
   alignas(64) float scores[kKeyTile];
   const float* key_rows[kKeyTile];  // into the cache (float32) or the widened tiles
   const float* value_rows[kKeyTile];
@@ -361,14 +372,19 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
     for (int d = 0; d < head_dim; ++d) row[d] = src[d] * p.scale;
   }
 
-  // The tile's last row sits at position first_position + query_end - 1 and sees up to it.
+  // The tile's last row sits at position first_position + query_end - 1 and sees up to it; with
+  // a window, its first row sees nothing before first_key (whose blocks may be released).
   const int num_keys = first_position + item.query_end;
+  const int first_key =
+      p.sliding_window > 0
+          ? std::max(0, first_position + item.query_begin - p.sliding_window + 1)
+          : 0;
   // Cache rows of one key tile: block = table[pos / block_size], offset = pos % block_size,
   // stepped rather than divided per key. Each tile's rows are resolved and prefetched while the
   // previous tile is computed: the block table scatters a request's history, so the hardware
   // prefetcher cannot run ahead across blocks (measured 1.1-1.25x on a 64 x 1,024 decode step).
   int64_t tile_rows[2][kKeyTile];
-  int next_block_index = 0, next_offset = 0;
+  int next_block_index = first_key / p.block_size, next_offset = first_key % p.block_size;
   const int row_bytes = head_dim * static_cast<int>(sizeof(cache_t));
   auto resolve_tile = [&](int key_begin, int64_t* rows) {
     const int tile_keys = std::min(kKeyTile, num_keys - key_begin);
@@ -388,8 +404,9 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
       }
     }
   };
-  resolve_tile(0, tile_rows[0]);
-  for (int key_begin = 0, tile = 0; key_begin < num_keys; key_begin += kKeyTile, tile ^= 1) {
+  resolve_tile(first_key, tile_rows[0]);
+  for (int key_begin = first_key, tile = 0; key_begin < num_keys;
+       key_begin += kKeyTile, tile ^= 1) {
     const int tile_keys = std::min(kKeyTile, num_keys - key_begin);
     if (key_begin + kKeyTile < num_keys) resolve_tile(key_begin + kKeyTile, tile_rows[tile ^ 1]);
     for (int t = 0; t < tile_keys; ++t) {
@@ -412,17 +429,24 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
       // Causal: the row at position first_position + token sees keys up to that position.
       const int row_position = first_position + item.query_begin + m / group_size;
       const int visible = std::min(tile_keys, row_position + 1 - key_begin);
-      if (visible <= 0) continue;
+      // The row's oldest visible key, within this tile (0 without a window).
+      const int hidden =
+          p.sliding_window > 0 ? std::max(0, row_position - p.sliding_window + 1 - key_begin) : 0;
+      if (visible <= hidden) continue;
       float* row_acc = acc.data() + static_cast<size_t>(m) * stride;
       score_row<CHUNKS>(q.data() + static_cast<size_t>(m) * stride, key_rows, chunks, visible,
                         scores);
+      if (p.softcap > 0.0f) {
+        for (int t = 0; t < visible; ++t) scores[t] = p.softcap * std::tanh(scores[t] / p.softcap);
+      }
+      for (int t = 0; t < hidden; ++t) scores[t] = -std::numeric_limits<float>::infinity();
       softmax_update(scores, visible, stride, row_acc, row_max[m], row_sum[m]);
       accumulate_values<CHUNKS>(scores, value_rows, chunks, visible, row_acc);
     }
   }
 
   for (int m = 0; m < num_rows; ++m) {
-    const float inverse_sum = 1.0f / row_sum[m];  // > 0: every row sees at least key 0
+    const float inverse_sum = 1.0f / row_sum[m];  // > 0: every row sees at least its own key
     const float* row = acc.data() + static_cast<size_t>(m) * stride;
     float* out = p.output + query_offset(m);
     for (int d = 0; d < head_dim; ++d) out[d] = row[d] * inverse_sum;
@@ -465,14 +489,17 @@ template <typename cache_t>
 void launch(const torch::Tensor& query, const torch::Tensor& key_cache,
             const torch::Tensor& value_cache, torch::Tensor& output,
             const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-            const torch::Tensor& seq_lens, double scale, const std::vector<WorkItem>& items) {
+            const torch::Tensor& seq_lens, double scale, int64_t sliding_window, double softcap,
+            const c10::optional<torch::Tensor>& sinks, const std::vector<WorkItem>& items) {
   const Problem<cache_t> problem{
       query.data_ptr<float>(), static_cast<const cache_t*>(key_cache.data_ptr()),
       static_cast<const cache_t*>(value_cache.data_ptr()), output.data_ptr<float>(),
       block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
       seq_lens.data_ptr<int32_t>(), block_tables.size(1), static_cast<int>(key_cache.size(1)),
       static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(2)),
-      static_cast<int>(query.size(2)), static_cast<float>(scale)};
+      static_cast<int>(query.size(2)), static_cast<float>(scale),
+      static_cast<int>(sliding_window), static_cast<float>(softcap),
+      sinks.has_value() ? sinks->data_ptr<float>() : nullptr};
   // The common head sizes get compile-time vector counts; any other size takes the generic path.
   switch (problem.head_dim) {
     case 64: return run<cache_t, 64 / kLanes>(problem, items);
@@ -486,7 +513,8 @@ void launch(const torch::Tensor& query, const torch::Tensor& key_cache,
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                               const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                               const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
-                              double scale) {
+                              double scale, int64_t sliding_window, double softcap,
+                              const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query must be [num_tokens, num_heads, "
               "head_dim] and key_cache [num_blocks, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() &&
@@ -514,6 +542,10 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
               " is not a multiple of num_kv_heads ", num_kv_heads);
   TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1 && block_tables.size(0) == num_reqs,
               "metadata sizes disagree with seq_lens");
+  TORCH_CHECK(sliding_window >= 0 && softcap >= 0.0, "sliding_window and softcap must be >= 0");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == torch::kFloat32 &&
+                                     sinks->is_contiguous() && sinks->numel() == num_heads),
+              "sinks must be a contiguous float32 tensor of num_heads logits");
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   TORCH_CHECK(qsl[num_reqs] == query.size(0), "query_start_loc[-1] != num_tokens");
 
@@ -524,7 +556,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   auto run_for = [&](auto cache_type_tag) {
     using cache_t = decltype(cache_type_tag);
     launch<cache_t>(query, key_cache, value_cache, output, block_tables, query_start_loc,
-                    seq_lens, scale, items);
+                    seq_lens, scale, sliding_window, softcap, sinks, items);
   };
   switch (key_cache.scalar_type()) {
     case torch::kFloat32: run_for(float{}); break;
@@ -540,7 +572,10 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vector_lanes") = kLanes;  // what the build targets: 16 (AVX-512) or 8 (AVX2)
-  m.def("paged_attention", &paged_attention,
+  m.def("paged_attention", &paged_attention, py::arg("query"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
         "Paged attention over a mixed batch (float32 query, any supported cache dtype); returns "
         "float32 [num_tokens, num_heads, head_dim]");
 }
