@@ -148,17 +148,17 @@ class PhaseTimer:
         engine.runner.forward = self.forward_pass  # execute() calls self.forward(...)
 
     def forward_pass(self, batch: Any) -> Any:
-        self._prefill_step = batch.meta.max_query_len > 1
+        self._prefill_step = batch.metas[0].max_query_len > 1
         start = time.perf_counter()
         try:
             return self._forward(batch)
         finally:
             self.forward_seconds += time.perf_counter() - start
 
-    def _timed(self, method: Any, *args: Any) -> Any:
+    def _timed(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return method(*args)
+            return method(*args, **kwargs)
         finally:
             phase = "prefill" if self._prefill_step else "decode"
             self.seconds[f"attention_{phase}_steps"] += time.perf_counter() - start
@@ -166,8 +166,8 @@ class PhaseTimer:
     def store_kv(self, *args: Any) -> None:
         self._timed(self.backend.store_kv, *args)
 
-    def forward(self, *args: Any) -> Any:
-        return self._timed(self.backend.forward, *args)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # kwargs: per-layer window, softcap, sinks
+        return self._timed(self.backend.forward, *args, **kwargs)
 
     def phases(self, wall_seconds: float) -> dict[str, float]:
         attention = sum(self.seconds.values())
