@@ -49,7 +49,7 @@ class ServerProcess:
         command = [
             sys.executable,
             "-m",
-            "server",
+            "pagedserve.server",
             "serve",
             "--host",
             "127.0.0.1",

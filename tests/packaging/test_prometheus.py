@@ -73,7 +73,7 @@ def _stop(process: subprocess.Popen) -> None:
 def _server_command(port: int) -> list[str]:
     # The venv's console script when the project is installed; the module otherwise.
     script = Path(sys.executable).parent / "pagedserve"
-    launcher = [str(script)] if script.exists() else [sys.executable, "-m", "server"]
+    launcher = [str(script)] if script.exists() else [sys.executable, "-m", "pagedserve.server"]
     return [*launcher, "serve", "--host", "127.0.0.1", "--port", str(port)]
 
 

@@ -20,7 +20,7 @@ def test_generate_prints_text(extra):
         [
             sys.executable,
             "-m",
-            "server",
+            "pagedserve.server",
             "generate",
             "Hello",
             "--max-tokens",
