@@ -29,8 +29,10 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 # -Wno-psabi: GCC notes the ABI of wide vector returns; they never leave the file.
-_CFLAGS = ["-O3", "-fopenmp", "-Wno-psabi"]
-_LDFLAGS = ["-fopenmp"]
+# Tuples: torch appends its own libraries to the flag lists it is given, and a module-level list
+# that grew would change the build's hash, so every later load in the process would rebuild.
+_CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi")
+_LDFLAGS = ("-fopenmp",)
 ISA_ENV = "PAGEDSERVE_CPU_ISA"
 # The ISA the kernel is compiled for: `native` is the host's own (-march=native); `avx2` and
 # `avx512` build a fixed x86 level (tuned for the host), so a developer on an AVX-512 machine
@@ -124,18 +126,22 @@ def _check_isa(isa: str) -> None:
 
 def load_cpu_kernel(isa: str | None = None) -> ModuleType:
     """Build (first time) and import the C++ extension for `isa` (None: `requested_isa()`);
-    cached for the process.
+    cached per ISA for the process.
 
     Raises:
         ValueError: an unknown ISA name.
         RuntimeError: the host cannot execute that ISA, or the compiler or torch's build
             tooling failed (with the build log).
     """
+    return _load_cpu_kernel(isa or requested_isa())
+
+
+@functools.cache
+def _load_cpu_kernel(isa: str) -> ModuleType:
     from torch.utils import cpp_extension
 
-    isa = isa or requested_isa()
     _check_isa(isa)
-    cflags = _CFLAGS + ISA_FLAGS[isa]
+    cflags = [*_CFLAGS, *ISA_FLAGS[isa]]
     key = _build_key(isa, cflags)
     build_dir = kernel_cache_dir() / f"paged_attention_{isa}_{key}"
     flock = _open_build_lock(build_dir)
@@ -154,7 +160,7 @@ def load_cpu_kernel(isa: str | None = None) -> ModuleType:
                 name=f"pagedserve_paged_attention_{key}",
                 sources=[str(_SOURCE)],
                 extra_cflags=cflags,
-                extra_ldflags=_LDFLAGS,
+                extra_ldflags=list(_LDFLAGS),
                 build_directory=str(build_dir),
                 verbose=False,
             )
