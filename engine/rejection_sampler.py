@@ -21,7 +21,13 @@ import torch
 from torch import Tensor
 
 from pagedserve.engine.outputs import TokenLogprob
-from pagedserve.engine.sampler import Sampler, SampleResult, SamplingRow, _filtered_probs
+from pagedserve.engine.sampler import (
+    Sampler,
+    SampleResult,
+    SamplingRow,
+    _filtered_probs,
+    greedy_token_ids,
+)
 
 
 class RejectionSampler:
@@ -61,7 +67,7 @@ class RejectionSampler:
         self, logits: Tensor, row: SamplingRow, drafts: tuple[int, ...]
     ) -> list[SampleResult]:
         if not row.needs_processing:  # plain argmax (bans only shrink as the output grows)
-            argmax = logits.argmax(dim=-1).tolist()
+            argmax = greedy_token_ids(logits)
             run = []
             for j, token_id in enumerate(argmax):
                 run.append(SampleResult(int(token_id), None))

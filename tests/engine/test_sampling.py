@@ -44,6 +44,17 @@ def test_greedy_picks_the_argmax_of_each_row():
     assert [r.token_id for r in Sampler().sample(logits, rows)] == [1, 0]
 
 
+def test_greedy_breaks_ties_as_argmax_does_on_wide_rows():
+    """HF generate takes `argmax`; the engine's faster reduction must pick the same tied index."""
+    logits = torch.zeros(3, 49_152)
+    logits[0, [7, 40_000]] = 1.0
+    logits[1, [48_000, 5, 30_000]] = 2.0
+    logits[2] = -1.0  # all tied
+    rows = [_row(SamplingParams(temperature=0.0)) for _ in range(3)]
+    chosen = [r.token_id for r in Sampler().sample(logits, rows)]
+    assert chosen == logits.argmax(dim=-1).tolist() == [7, 5, 0]
+
+
 def test_temperature_sampling_follows_the_softmax_of_scaled_logits():
     logits = [0.0, math.log(3.0), -30.0]  # p = [0.25, 0.75, ~0] at T=1; at T=2: [1/(1+sqrt3), ...]
     draws = _draw_many(logits, SamplingParams(temperature=2.0))
