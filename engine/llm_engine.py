@@ -157,13 +157,13 @@ class LLMEngine:
         if plan.is_empty:
             return []
         self._count_step(plan)
-        rows = self.outputs.sampling_rows(plan)
+        rows, drafts = self.outputs.sampling_rows(plan), _drafts_per_row(plan)
         try:
-            logits = self._forward(plan, rows)
+            logits = self._forward(plan, rows, drafts)
         except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("forward pass failed; failing %d sequences", len(plan.requests))
             return self.outputs.fail({s.sequence_id: error for s in plan.requests})
-        sampled = self._sample(plan, rows, logits)
+        sampled = self._sample(plan, rows, drafts, logits)
         deltas = self.outputs.fail(sampled.errors)  # before the update: they have no token
         updates = self.scheduler.update_from_output(plan, sampled.runner_output())
         return deltas + self.outputs.process(updates, sampled.logprobs, sampled.draft_logprobs)
@@ -173,14 +173,15 @@ class LLMEngine:
         self.last_plan = plan
         self.step_token_counts.append(plan.num_batched_tokens)
 
-    def _forward(self, plan: SchedulerOutput, rows: list[SamplingRow]) -> torch.Tensor:
+    def _forward(
+        self, plan: SchedulerOutput, rows: list[SamplingRow], drafts: list[list[int]]
+    ) -> torch.Tensor:
         """Logits [num sampling rows (drafts included) + num prompt-logprob rows, vocab_size];
         constrained sampling rows masked by their grammar, before any sampling (the
         logits-processor seam). Prompt rows are never masked: they score the prompt as is."""
         logits = self.runner.execute(plan)
         # One matcher per sampling row: a sequence's draft rows follow its first row, and only
         # unconstrained sequences draft (scheduler/speculation.py), so draft rows get None.
-        drafts = [s.draft_token_ids for s in plan.requests if s.needs_sample]
         matchers = [
             row_matcher
             for matcher, row_drafts in zip(self.outputs.matchers(rows), drafts, strict=True)
@@ -190,12 +191,15 @@ class LLMEngine:
         return logits
 
     def _sample(
-        self, plan: SchedulerOutput, rows: list[SamplingRow], logits: torch.Tensor
+        self,
+        plan: SchedulerOutput,
+        rows: list[SamplingRow],
+        drafts: list[list[int]],
+        logits: torch.Tensor,
     ) -> SampledBatch:
         """Sample the first rows (each sampling sequence's own row, then its drafts' rows); the
         prompt rows after them score prompt logprobs (a failure there fails the sequences that
         asked, as a sampling failure does)."""
-        drafts = [s.draft_token_ids for s in plan.requests if s.needs_sample]
         num_sampling_rows = len(rows) + sum(len(row_drafts) for row_drafts in drafts)
         sampling_logits = logits[:num_sampling_rows]
         if any(drafts):  # speculation: 1 + len(drafts) rows per sampling sequence
@@ -249,6 +253,11 @@ class LLMEngine:
             "spec_num_accepted_tokens": speculator.num_accepted_tokens,
             "spec_num_accepted_per_position": tuple(speculator.num_accepted_per_position),
         }
+
+
+def _drafts_per_row(plan: SchedulerOutput) -> list[list[int]]:
+    """Each sampling sequence's draft tokens (plan order, as its sampling row), often empty."""
+    return [s.draft_token_ids for s in plan.requests if s.needs_sample]
 
 
 def sequence_id(request_id: str, index: int) -> str:
