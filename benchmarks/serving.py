@@ -109,7 +109,7 @@ def own_server(args: argparse.Namespace) -> Iterator[str]:
     command = [
         sys.executable,
         "-m",
-        "server",
+        "pagedserve.server",
         "serve",
         "--host",
         "127.0.0.1",
