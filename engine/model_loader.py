@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16
+from pagedserve.engine.packed_linear import can_pack, pack_linears
 from pagedserve.cache.cache_engine import TORCH_DTYPES
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 
@@ -184,6 +185,8 @@ def load_model(
         local_files_only=True,
     )
     model.to(device).eval()
+    if can_pack(model):  # bfloat16 on a CPU with native bf16: oneDNN's layout, reordered once
+        logger.info("packed %d bfloat16 linear layers for oneDNN", pack_linears(model))
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_path, trust_remote_code=model_config.trust_remote_code, local_files_only=True
     )

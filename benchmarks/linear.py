@@ -1,0 +1,97 @@
+"""bfloat16 linear layers: `F.linear` against the weight packed once for oneDNN (`PackedLinear`).
+
+The default model's four weight shapes (q/o 576x576, k/v 192x576, gate/up 1536x576, down
+576x1536, LM head 49152x576) at decode and prefill row counts, interleaved round by round in one
+process so machine noise hits both alike; median of `--repeats`. Also checks the outputs are
+bit-identical. Runs only where `pack_linears` applies (a CPU with AVX512_BF16 or AMX).
+
+    python -m pagedserve.benchmarks.linear [--rows 1 16 64 512] [--threads 1] [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.benchmarks.workload import RESULTS_DIR, set_num_threads, write_results
+from pagedserve.engine.packed_linear import PackedLinear, can_pack
+
+SHAPES = {  # name: (out_features, in_features), SmolLM2-135M
+    "q_proj/o_proj": (576, 576),
+    "k_proj/v_proj": (192, 576),
+    "gate/up_proj": (1536, 576),
+    "down_proj": (576, 1536),
+    "lm_head": (49152, 576),
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--repeats", type=int, default=30, help="timed rounds (median reported)")
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "linear.json")
+    return parser.parse_args(argv)
+
+
+def _seconds(function: Any) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def bench_shape(out_features: int, in_features: int, rows: int, repeats: int) -> dict[str, Any]:
+    linear = nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        identical = torch.equal(linear(x), packed(x))
+        for _ in range(3):  # warm-up: oneDNN builds its primitives on first use
+            F.linear(x, linear.weight), packed(x)
+        plain, fast = [], []
+        for _ in range(repeats):
+            plain.append(_seconds(lambda: F.linear(x, linear.weight)))
+            fast.append(_seconds(lambda: packed(x)))
+    plain_s, packed_s = statistics.median(plain), statistics.median(fast)
+    return {
+        "out_features": out_features,
+        "in_features": in_features,
+        "rows": rows,
+        "linear_us": plain_s * 1e6,
+        "packed_us": packed_s * 1e6,
+        "speedup": plain_s / packed_s,
+        "bit_identical": identical,
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    set_num_threads(args.threads)
+    if not can_pack(nn.Linear(1, 1).to(torch.bfloat16)):
+        print("linear: this CPU or torch build cannot pack bf16 linears (no native bf16); skipped")
+        return []
+    rows = []
+    print(f"bfloat16 linear, threads={torch.get_num_threads()}, median of {args.repeats}")
+    print(f"{'layer':<14} {'shape':>11} {'rows':>5} {'linear us':>10} {'packed us':>10} {'x':>6}")
+    for name, (out_features, in_features) in SHAPES.items():
+        for num_rows in args.rows:
+            row = {"layer": name, **bench_shape(out_features, in_features, num_rows, args.repeats)}
+            rows.append(row)
+            print(
+                f"{name:<14} {out_features:>5}x{in_features:<5} {num_rows:>5} "
+                f"{row['linear_us']:>10.1f} {row['packed_us']:>10.1f} {row['speedup']:>5.2f}x"
+                + ("" if row["bit_identical"] else "  OUTPUT DIFFERS")
+            )
+    write_results(args.output, args, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
