@@ -28,9 +28,9 @@ from transformers import (
 )
 
 from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16
-from pagedserve.engine.packed_linear import can_pack, pack_linears
 from pagedserve.cache.cache_engine import TORCH_DTYPES
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
+from pagedserve.engine.packed_linear import can_pack, pack_linears
 
 logger = logging.getLogger(__name__)
 
