@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagedserve.benchmarks.prefill_attention import bench_prefill, print_prefill
 from pagedserve.cache.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend
 from pagedserve.cache.cache_engine import KV_CACHE_DTYPES
 from pagedserve.cache.cache_engine import TORCH_DTYPES as DTYPES
@@ -72,6 +73,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="CPU kernel ISA builds to time beside the default one, each against the same "
         "roofline (default: avx2 and avx512 where the host runs them; none: give the flag alone)",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=1024,
+        help="also time one causal prefill chunk of this many tokens against the matmul rate "
+        "(benchmarks/prefill_attention.py; CPU only; 0: skip)",
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     return parser.parse_args(argv)
@@ -273,11 +281,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"({row['stream_read_gb_per_s']:.1f} GB/s); with K/V in L2 it takes "
                 f"{row['compute_bound_ms']:.2f} ms"
             )
+    prefill = _prefill_rows(args)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     config = {key: value for key, value in vars(args).items() if key != "output"}
     config["threads"] = torch.get_num_threads()
-    args.output.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
+    payload = {"config": config, "results": rows, "prefill": prefill}
+    args.output.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {args.output}")
+    return rows
+
+
+def _prefill_rows(args: argparse.Namespace) -> list[dict]:
+    """The prefill chunk's rows (printed), each ISA build this run times; [] when skipped."""
+    if not args.prefill_chunk or args.device != "cpu":
+        return []
+    settings = dict(chunk=args.prefill_chunk, intermediate_size=1536, repeats=args.repeats)
+    isas = None if args.isa is None else ["native", *args.isa]
+    prefill_args = argparse.Namespace(
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        block_size=args.block_size,
+        isa=isas,
+        **settings,
+    )
+    rows = bench_prefill(prefill_args)
+    print_prefill(rows)
     return rows
 
 

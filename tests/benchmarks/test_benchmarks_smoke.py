@@ -334,3 +334,21 @@ def test_attention_benchmark_times_each_isa_build_against_the_same_roofline(tmp_
         assert kernel["times_read_roofline"] == pytest.approx(
             kernel["median_ms"] / by_impl["read_kv_once"]["median_ms"]
         )
+
+
+def test_attention_benchmark_times_a_prefill_chunk_against_the_matmul_rate(tmp_path):
+    output = tmp_path / "attention.json"
+    attention.main(
+        ["--batch", "2", "--context", "40", "--repeats", "1", "--dtype", "float32", "--isa"]
+        + ["--prefill-chunk", "48", "--output", str(output)]
+    )
+    prefill = json.loads(output.read_text())["prefill"]
+    by_impl = {row["impl"]: row for row in prefill}
+    assert set(by_impl) == {"cpu_native", "sdpa_contiguous", "matmul"}
+    assert by_impl["matmul"]["fraction_of_matmul"] == pytest.approx(1.0)
+    kernel = by_impl["cpu_native"]
+    # 4 * 9 heads * 64 dims * 48 * 49 / 2 FLOPs in the causal triangle
+    assert kernel["gflop_per_s"] == pytest.approx(
+        4 * 9 * 64 * 48 * 49 / 2 / (kernel["median_ms"] / 1e3) / 1e9
+    )
+    assert kernel["fraction_of_matmul"] > 0

@@ -1,0 +1,136 @@
+"""Prefill attention: one chunk of new tokens attending causally over itself through the paged
+cache, against the GFLOP/s the model's own matrix multiplies reach in the same run.
+
+Each ISA build of the CPU kernel, SDPA on contiguous K/V (causal, GQA expanded) and the MLP's up
+projection at the chunk's row count ([chunk, 576] @ [576, 1536] for the default model) are timed
+round by round in one process; median of `--repeats`. Attention's FLOPs are the causal
+triangle's: 4 * heads * head_dim * chunk * (chunk + 1) / 2 (QK^T and PV). The issue's goal:
+the kernel at >= 50% of the matmul's GFLOP/s for a 1,024-token chunk.
+
+    python -m pagedserve.benchmarks.prefill_attention [--chunk 1024] [--threads 1] [--isa avx2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.benchmarks.workload import RESULTS_DIR, set_num_threads, write_results
+from pagedserve.cache.attention import AttentionMetadata
+from pagedserve.cache.attention.cpu import CpuPagedAttention, host_runnable_isas
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_prefill_args(parser)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "prefill_attention.json")
+    return parser.parse_args(argv)
+
+
+def add_prefill_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("prefill")
+    group.add_argument("--chunk", type=int, default=1024, help="new tokens in the chunk")
+    group.add_argument("--num-heads", type=int, default=9)
+    group.add_argument("--num-kv-heads", type=int, default=3)
+    group.add_argument("--head-dim", type=int, default=64)
+    group.add_argument("--intermediate-size", type=int, default=1536, help="the matmul's N")
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--repeats", type=int, default=9, help="timed rounds (median reported)")
+    group.add_argument(
+        "--isa", nargs="+", default=None, help="kernel builds (default: all the host runs)"
+    )
+
+
+def _median_seconds(candidates: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    for function in candidates.values():  # warm-up
+        function()
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, function in candidates.items():
+            start = time.perf_counter()
+            function()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def bench_prefill(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per implementation: ms, GFLOP/s, and the fraction of the matmul's GFLOP/s."""
+    chunk, heads, kv_heads, head_dim = args.chunk, args.num_heads, args.num_kv_heads, args.head_dim
+    num_blocks = -(-chunk // args.block_size)
+    shape = (num_blocks + 4, args.block_size, kv_heads, head_dim)
+    key_cache, value_cache = torch.randn(shape), torch.randn(shape)
+    table = torch.randperm(num_blocks + 4)[:num_blocks].to(torch.int32)  # scattered, as served
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(chunk, dtype=torch.int64),
+        block_tables=table[None],
+        query_start_loc=torch.tensor([0, chunk], dtype=torch.int32),
+        seq_lens=torch.tensor([chunk], dtype=torch.int32),
+        max_query_len=chunk,
+    )
+    query, scale = torch.randn(chunk, heads, head_dim), head_dim**-0.5
+
+    def contiguous(cache: torch.Tensor) -> torch.Tensor:  # [heads, chunk, head_dim], GQA expanded
+        rows = cache[table.long()].reshape(-1, kv_heads, head_dim)[:chunk]
+        return rows.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)[None]
+
+    keys, values, queries = contiguous(key_cache), contiguous(value_cache), query.transpose(0, 1)
+    hidden = torch.randn(chunk, heads * head_dim)
+    weight = torch.randn(args.intermediate_size, heads * head_dim)
+    kernels = {isa: CpuPagedAttention(isa) for isa in args.isa or host_runnable_isas()}
+    candidates: dict[str, Callable[[], Any]] = {
+        f"cpu_{isa}": lambda k=kernel: k.forward(query, key_cache, value_cache, meta, scale)
+        for isa, kernel in kernels.items()
+    }
+    candidates["sdpa_contiguous"] = lambda: F.scaled_dot_product_attention(
+        queries[None], keys, values, is_causal=True, scale=scale
+    )
+    candidates["matmul"] = lambda: F.linear(hidden, weight)
+    seconds = _median_seconds(candidates, args.repeats)
+    attention_flops = 4 * heads * head_dim * chunk * (chunk + 1) / 2
+    matmul_rate = 2 * chunk * hidden.shape[1] * weight.shape[0] / seconds["matmul"]
+    rows = []
+    for name, median in seconds.items():
+        flops = attention_flops if name != "matmul" else matmul_rate * median
+        rows.append(
+            {
+                "impl": name,
+                "chunk": chunk,
+                "median_ms": median * 1e3,
+                "gflop_per_s": flops / median / 1e9,
+                "fraction_of_matmul": flops / median / matmul_rate,
+            }
+        )
+    return rows
+
+
+def print_prefill(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"prefill attention, one {rows[0]['chunk']}-token chunk, threads {torch.get_num_threads()}"
+    )
+    print(f"{'impl':<16} {'median ms':>10} {'GFLOP/s':>9} {'of matmul':>10}")
+    for row in rows:
+        print(
+            f"{row['impl']:<16} {row['median_ms']:>10.2f} {row['gflop_per_s']:>9.1f} "
+            f"{row['fraction_of_matmul']:>9.0%}"
+        )
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    set_num_threads(args.threads)
+    rows = bench_prefill(args)
+    print_prefill(rows)
+    write_results(args.output, args, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
