@@ -57,6 +57,9 @@ class ServerProcess:
             str(self.port),
             "--log-level",
             log_level,
+            # The tests' references (HF, the offline LLM) are float32; `auto` would be bfloat16
+            # on a CPU with AMX or AVX512_BF16, so a test says --dtype itself to get another.
+            *(() if "--dtype" in args else ("--dtype", "float32")),
             *args,
         ]
         self.process = subprocess.Popen(

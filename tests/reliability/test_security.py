@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -127,6 +128,9 @@ def test_load_model_passes_trust_remote_code_through_as_configured(monkeypatch, 
 
         def eval(self) -> StubModel:
             return self
+
+        def parameters(self) -> Iterator[Any]:  # no weights: nothing for the loader to pack
+            return iter(())
 
     def from_pretrained(kind: str, result: Any) -> Any:
         def load(path: Any, **kwargs: Any) -> Any:

@@ -68,7 +68,7 @@ def offline(server_process) -> dict[str, Any]:
     num_threads = torch.get_num_threads()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
-        llm = LLM(max_model_len=MAX_MODEL_LEN, num_kv_blocks=256, block_size=16)
+        llm = LLM(max_model_len=MAX_MODEL_LEN, num_kv_blocks=256, block_size=16, dtype="float32")
         params = SamplingParams(temperature=0, max_tokens=NUM_GREEDY_TOKENS)
         completions = llm.generate(list(COMPLETION_PROMPTS), params)
         chats = llm.chat([list(conversation) for conversation in CONVERSATIONS], params)
