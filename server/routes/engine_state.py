@@ -8,11 +8,12 @@ they hold nothing but code, and the page sends the key itself when it fetches th
 from __future__ import annotations
 
 import dataclasses
+import json
 from importlib.resources import files
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pagedserve.engine import EngineClient, EngineState
 from pagedserve.server.errors import APIError
@@ -53,17 +54,13 @@ def _fields(value: Any) -> dict[str, Any]:
     return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
 
 
-def state_to_json(state: EngineState, model_name: str) -> dict[str, Any]:
-    """The JSON body: one object per block. Built by hand, not with `dataclasses.asdict`, which
-    deep-copies every value and costs several times more at 2 Hz on a pool of thousands."""
-    blocks = [
-        {"block_id": block_id, "state": s, "ref_count": r, "owner_ids": o, "is_hashed": h}
-        for block_id, (s, r, o, h) in enumerate(
-            zip(state.block_states, state.ref_counts, state.owner_ids, state.is_hashed, strict=True)
-        )
-    ]
+def state_to_json(state: EngineState, model_name: str) -> bytes:
+    """The JSON body (UTF-8). Everything but the blocks goes through `json.dumps`; the blocks,
+    thousands of small objects at 2 Hz, are written from one template each (owners through
+    `json.dumps`, which escapes them), several times faster than building a dict per block:
+    the poller's work holds the GIL that the engine thread needs."""
     plan = state.last_plan
-    return {
+    head = {
         "object": "engine.state",
         "model": model_name,
         "time": state.time,
@@ -72,7 +69,6 @@ def state_to_json(state: EngineState, model_name: str) -> dict[str, Any]:
         "num_blocks": state.num_blocks,
         "num_free_blocks": state.num_free_blocks,
         "enable_prefix_caching": state.enable_prefix_caching,
-        "blocks": blocks,
         "running": [_fields(request) for request in state.running],
         "waiting": [_fields(request) for request in state.waiting],
         "last_plan": None
@@ -80,6 +76,17 @@ def state_to_json(state: EngineState, model_name: str) -> dict[str, Any]:
         else _fields(plan) | {"requests": [_fields(entry) for entry in plan.requests]},
         "stats": _fields(state.stats),
     }
+    blocks = ",".join(
+        f'{{"block_id":{block_id},"state":"{block_state}","ref_count":{ref_count},'
+        f'"owner_ids":{json.dumps(owners) if owners else "[]"},'
+        f'"is_hashed":{"true" if is_hashed else "false"}}}'
+        for block_id, (block_state, ref_count, owners, is_hashed) in enumerate(
+            zip(state.block_states, state.ref_counts, state.owner_ids, state.is_hashed, strict=True)
+        )
+    )
+    # json.dumps(head) ends with "}": the blocks array goes in as the last member.
+    text = json.dumps(head, separators=(",", ":"), allow_nan=False)
+    return f'{text[:-1]},"blocks":[{blocks}]}}'.encode()
 
 
 @router.get("/v1/engine/state")
@@ -87,8 +94,10 @@ async def get_engine_state(request: Request) -> Response:
     _require_enabled(request)
     engine: EngineClient = request.app.state.engine
     state = await engine.engine_state()
-    return JSONResponse(
-        state_to_json(state, engine.model_name), headers={"Cache-Control": "no-store"}
+    return Response(
+        state_to_json(state, engine.model_name),
+        media_type="application/json",
+        headers={"Cache-Control": "no-store"},
     )
 
 

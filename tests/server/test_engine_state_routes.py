@@ -207,3 +207,26 @@ def test_dashboard_asks_for_the_api_key_and_draws_once_given_it(keyed_server_url
     assert asked and status == "needs API key"
     assert (drawn, rows, shared_text) == (3, 1, "1")
     assert errors == []
+
+
+def test_the_hand_written_block_json_parses_to_the_same_objects_as_json_dumps():
+    """The blocks are encoded from a template for speed: any owner id (quotes, backslashes,
+    non-ASCII) must come back exactly, and every other field as json.dumps writes it."""
+    import asyncio
+    import dataclasses
+    import json
+
+    from pagedserve.server.routes.engine_state import state_to_json
+
+    state = asyncio.run(StateEngine().engine_state())
+    tricky = ['a"b#0', "c\\\\d#1", "über\\n#2"]
+    state = dataclasses.replace(state, owner_ids=[tricky[:2], [tricky[2]], []])
+    body = json.loads(state_to_json(state, 'm"odel'))
+    assert body["blocks"] == [
+        {"block_id": i, "state": s, "ref_count": r, "owner_ids": o, "is_hashed": h}
+        for i, (s, r, o, h) in enumerate(
+            zip(state.block_states, state.ref_counts, state.owner_ids, state.is_hashed, strict=True)
+        )
+    ]
+    assert body["model"] == 'm"odel'
+    assert body["running"] == [json.loads(json.dumps(dataclasses.asdict(RUNNING)))]
