@@ -67,12 +67,7 @@ def vllm_server(python: Path, model_dir: Path, ours: argparse.Namespace) -> Iter
             serving.wait_healthy(base_url, process, ours.startup_timeout)
             yield base_url
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            serving.stop_process(process, timeout_s=60)
 
 
 def run(ours: argparse.Namespace, load: argparse.Namespace) -> list[dict[str, Any]]:

@@ -130,12 +130,17 @@ def own_server(args: argparse.Namespace) -> Iterator[str]:
         wait_healthy(base_url, process, args.startup_timeout)
         yield base_url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout_s=30)
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def wait_healthy(base_url: str, process: subprocess.Popen, timeout_s: float) -> None:
