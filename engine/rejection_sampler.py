@@ -27,6 +27,7 @@ from pagedserve.engine.sampler import (
     SamplingRow,
     _filtered_probs,
     greedy_token_ids,
+    top_alternatives,
 )
 
 
@@ -121,10 +122,4 @@ def _logprob(logits: Tensor, token_id: int, row: SamplingRow) -> TokenLogprob | 
     if num_top is None:
         return None
     raw = torch.log_softmax(logits, dim=-1)
-    top = raw.topk(num_top) if num_top else None
-    alternatives = (
-        tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-        if top is not None
-        else ()
-    )
-    return TokenLogprob(token_id, float(raw[token_id]), alternatives)
+    return TokenLogprob(token_id, float(raw[token_id]), top_alternatives(raw, num_top))

@@ -121,12 +121,7 @@ class Sampler:
             token_id = int((probs / noise).argmax())
         logprob = None
         if raw_logprobs is not None:
-            top = raw_logprobs.topk(params.logprobs) if params.logprobs else None
-            alternatives = (
-                tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                if top is not None
-                else ()
-            )
+            alternatives = top_alternatives(raw_logprobs, params.logprobs)
             logprob = TokenLogprob(token_id, float(raw_logprobs[token_id]), alternatives)
         return SampleResult(token_id, logprob)
 
@@ -150,6 +145,17 @@ class Sampler:
         if row.banned_token_ids:
             logits[row.banned_token_ids] = float("-inf")
         return logits
+
+
+def top_alternatives(logprobs: Tensor, num_top: int) -> tuple[tuple[int, float], ...]:
+    """The `num_top` most likely (token id, logprob) of one row, best first; tied values in
+    token-id order, as greedy breaks ties, so a greedy token tied for the top is listed first
+    (ties are common in bfloat16, and `topk` leaves their order open)."""
+    if not num_top:
+        return ()
+    top = logprobs.topk(num_top)
+    pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+    return tuple(sorted(pairs, key=lambda pair: (-pair[1], pair[0])))
 
 
 def greedy_token_ids(logits: Tensor) -> list[int]:

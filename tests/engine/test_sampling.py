@@ -154,6 +154,16 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits_with_top_alternatives():
     assert only_chosen.logprob.top_logprobs == ()
 
 
+def test_a_greedy_token_tied_for_the_top_is_listed_first_among_its_alternatives():
+    """bfloat16 logits tie often: greedy takes the lowest id, and top_logprobs must agree."""
+    logits = torch.full((1, 64), -5.0)
+    logits[0, [41, 9, 30]] = 2.0  # three-way tie for the top
+    logits[0, 5] = 1.0
+    result = Sampler().sample(logits, [_row(SamplingParams(temperature=0.0, logprobs=4))])[0]
+    assert result.token_id == 9
+    assert [token_id for token_id, _ in result.logprob.top_logprobs] == [9, 30, 41, 5]
+
+
 def test_one_failing_row_does_not_fail_the_others():
     logits = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
     penalised = SamplingParams(temperature=0.0, repetition_penalty=1.5)
