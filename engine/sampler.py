@@ -142,8 +142,13 @@ class Sampler:
                 :vocab_size
             ]
             logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-        if row.banned_token_ids:
+        if row.banned_token_ids:  # EOS / stop ids while min_tokens is unmet
+            before = logits[row.banned_token_ids]
             logits[row.banned_token_ids] = float("-inf")
+            if not torch.isfinite(logits).any():
+                # Nothing else is allowed: a grammar that can only end here. Its end wins over
+                # min_tokens (the output is complete), rather than a step with no token at all.
+                logits[row.banned_token_ids] = before
         return logits
 
 

@@ -164,6 +164,16 @@ def test_a_greedy_token_tied_for_the_top_is_listed_first_among_its_alternatives(
     assert [token_id for token_id, _ in result.logprob.top_logprobs] == [9, 30, 41, 5]
 
 
+def test_min_tokens_does_not_ban_the_only_token_a_grammar_still_allows():
+    """A constraint satisfied before min_tokens leaves only EOS: ending beats an empty step."""
+    logits = torch.full((1, 16), float("-inf"))
+    logits[0, EOS] = 0.5  # what the grammar's mask left
+    row = _row(SamplingParams(temperature=0.0, min_tokens=4), banned=[EOS])
+    assert Sampler().sample(logits, [row])[0].token_id == EOS
+    logits[0, 7] = 0.1  # another token allowed: min_tokens bans EOS as usual
+    assert Sampler().sample(logits, [row])[0].token_id == 7
+
+
 def test_one_failing_row_does_not_fail_the_others():
     logits = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
     penalised = SamplingParams(temperature=0.0, repetition_penalty=1.5)
