@@ -28,14 +28,15 @@ logger = logging.getLogger(__name__)
 class PackedLinear(nn.Module):
     """`nn.Linear` whose weight lives in oneDNN's blocked layout (reordered once)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
         # An opaque oneDNN tensor: not part of the state dict, never moved between devices.
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = linear.bias
+        if keep_weight:  # a weight tied to another module stays reachable here, as in HF
+            self.weight = linear.weight
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -62,16 +63,23 @@ def can_pack(model: nn.Module, flags: frozenset[str] | None = None) -> bool:
 def pack_linears(model: nn.Module) -> int:
     """Swap every `nn.Linear` of a bfloat16 CPU model for a `PackedLinear`; returns how many.
 
-    A weight tied to another module (the LM head to the embeddings) stays where it is for that
-    module; the packed copy is the head's. A layer whose packed output differs from `F.linear`
-    on a probe input is left as it is (and logged): the swap must not change a single bit.
+    A weight tied to another module (the LM head to the embeddings) stays that module's and stays
+    reachable as the packed module's `weight` (no copy); the packed copy is the head's own. A
+    layer whose packed output differs from `F.linear` on a probe input is left as it is (and
+    logged): the swap must not change a single bit.
     """
+    tied = {  # parameters that other modules use too (tied embeddings)
+        id(parameter)
+        for module in model.modules()
+        if type(module) is not nn.Linear
+        for parameter in module.parameters(recurse=False)
+    }
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
                 continue
-            packed = PackedLinear(child)
+            packed = PackedLinear(child, keep_weight=id(child.weight) in tied)
             if not _same_output(child, packed):
                 logger.warning("oneDNN's packed %s differs from nn.Linear; left unpacked", name)
                 continue

@@ -199,7 +199,7 @@ def test_default_model_converts_once_then_loads_fast_and_offline(converted_cache
 def test_default_model_config_tokenizer_and_tied_embeddings(converted_cache, monkeypatch):
     cache, _, _ = converted_cache
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(cache))
-    loaded = load_model(ModelConfig(), "cpu")
+    loaded = load_model(ModelConfig(dtype="float32"), "cpu")
     config = loaded.hf_config
     assert isinstance(config, LlamaConfig)
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (
@@ -232,7 +232,7 @@ def test_converted_model_logits_equal_the_gguf_model(converted_cache, monkeypatc
     reference = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
-    loaded = load_model(ModelConfig(), "cpu")
+    loaded = load_model(ModelConfig(dtype="float32"), "cpu")
     input_ids = loaded.tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.inference_mode():
         assert torch.equal(reference(input_ids).logits, loaded.model(input_ids).logits)

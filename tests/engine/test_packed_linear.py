@@ -33,7 +33,8 @@ def test_packed_model_gives_bit_identical_logits_and_greedy_tokens(default_token
     packed = copy.deepcopy(plain)
     assert pack_linears(packed) == 2 * 7 + 1  # q k v o gate up down per layer, and the head
     assert not any(type(m) is nn.Linear for m in packed.modules())
-    assert packed.model.embed_tokens.weight is not None  # the tied weight stays the embedding's
+    assert packed.lm_head.weight is packed.model.embed_tokens.weight  # still tied, not copied
+    assert not hasattr(packed.model.layers[0].mlp.up_proj, "weight")  # untied: only the packed copy
     input_ids = torch.tensor([[5, 17, 300, 42, 999, 8, 64]])
     with torch.inference_mode():
         assert torch.equal(plain(input_ids).logits, packed(input_ids).logits)
