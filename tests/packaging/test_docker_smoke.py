@@ -61,7 +61,8 @@ def _wheels_dir() -> Path | None:
 def podman_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     if shutil.which("podman") is None:
         pytest.skip(
-            "podman is not installed (Debian: apt-get install podman buildah runc debootstrap)"
+            "podman is not installed (Debian: apt-get install podman buildah runc debootstrap catatonit;"
+            " catatonit is what `podman run --init` starts)"
         )
     conf = tmp_path_factory.mktemp("podman") / "containers.conf"
     conf.write_text(CONTAINERS_CONF)
