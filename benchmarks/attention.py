@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -36,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.benchmarks.prefill_attention import bench_prefill, print_prefill
+from pagedserve.benchmarks.workload import time_interleaved
 from pagedserve.cache.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend
 from pagedserve.cache.cache_engine import KV_CACHE_DTYPES
 from pagedserve.cache.cache_engine import TORCH_DTYPES as DTYPES
@@ -138,34 +137,6 @@ def make_decode_step(
     key_cache, value_cache, query = (t.to(device) for t in (key_cache, value_cache, query))
     sdpa_inputs = tuple(t.to(device) for t in sdpa_inputs)
     return query, key_cache, value_cache, meta, sdpa_inputs
-
-
-def time_interleaved(
-    candidates: dict[str, Callable[[], object]], repeats: int, device: torch.device
-) -> dict[str, tuple[list[float], list[float]]]:
-    """Run each candidate once per round (after a warm-up round).
-
-    Returns per candidate (wall seconds, process CPU seconds) per call. CPU time, summed over
-    threads, is the steadier number on a shared machine where wall time includes waiting. On CUDA
-    the wall time spans a synchronize before and after the call: the kernels' whole run.
-    """
-
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for run in candidates.values():
-        run()
-    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in candidates}
-    for _ in range(repeats):
-        for name, run in candidates.items():
-            synchronize()
-            wall_start, cpu_start = time.perf_counter(), time.process_time()
-            run()
-            synchronize()
-            times[name][0].append(time.perf_counter() - wall_start)
-            times[name][1].append(time.process_time() - cpu_start)
-    return times
 
 
 def bench_dtype(args: argparse.Namespace, dtype_name: str, kv_dtype_name: str) -> list[dict]:

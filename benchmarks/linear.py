@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.benchmarks.workload import RESULTS_DIR, set_num_threads, write_results
+from pagedserve.benchmarks.workload import (
+    RESULTS_DIR,
+    set_num_threads,
+    time_interleaved,
+    write_results,
+)
 from pagedserve.engine.packed_linear import PackedLinear, can_pack
 
 SHAPES = {  # name: (out_features, in_features), SmolLM2-135M
@@ -41,25 +45,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _seconds(function: Any) -> float:
-    start = time.perf_counter()
-    function()
-    return time.perf_counter() - start
-
-
 def bench_shape(out_features: int, in_features: int, rows: int, repeats: int) -> dict[str, Any]:
     linear = nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)
     packed = PackedLinear(linear)
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     with torch.inference_mode():
         identical = torch.equal(linear(x), packed(x))
-        for _ in range(3):  # warm-up: oneDNN builds its primitives on first use
-            F.linear(x, linear.weight), packed(x)
-        plain, fast = [], []
-        for _ in range(repeats):
-            plain.append(_seconds(lambda: F.linear(x, linear.weight)))
-            fast.append(_seconds(lambda: packed(x)))
-    plain_s, packed_s = statistics.median(plain), statistics.median(fast)
+        candidates = {"linear": lambda: F.linear(x, linear.weight), "packed": lambda: packed(x)}
+        times = time_interleaved(candidates, repeats)
+    plain_s, packed_s = (statistics.median(times[name][0]) for name in ("linear", "packed"))
     return {
         "out_features": out_features,
         "in_features": in_features,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedserve.benchmarks.workload import RESULTS_DIR, set_num_threads, write_results
+from pagedserve.benchmarks.workload import (
+    RESULTS_DIR,
+    set_num_threads,
+    time_interleaved,
+    write_results,
+)
 from pagedserve.cache.attention import AttentionMetadata
 from pagedserve.cache.attention.cpu import CpuPagedAttention, host_runnable_isas
 
@@ -47,18 +51,6 @@ def add_prefill_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--isa", nargs="+", default=None, help="kernel builds (default: all the host runs)"
     )
-
-
-def _median_seconds(candidates: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    for function in candidates.values():  # warm-up
-        function()
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, function in candidates.items():
-            start = time.perf_counter()
-            function()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def bench_prefill(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -93,7 +85,8 @@ def bench_prefill(args: argparse.Namespace) -> list[dict[str, Any]]:
         queries[None], keys, values, is_causal=True, scale=scale
     )
     candidates["matmul"] = lambda: F.linear(hidden, weight)
-    seconds = _median_seconds(candidates, args.repeats)
+    times = time_interleaved(candidates, args.repeats)
+    seconds = {name: statistics.median(wall) for name, (wall, _) in times.items()}
     attention_flops = 4 * heads * head_dim * chunk * (chunk + 1) / 2
     matmul_rate = 2 * chunk * hidden.shape[1] * weight.shape[0] / seconds["matmul"]
     rows = []

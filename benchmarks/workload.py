@@ -19,6 +19,7 @@ import platform
 import random
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -241,3 +242,33 @@ def percentile(values: list[float], fraction: float) -> float:
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def time_interleaved(
+    candidates: dict[str, Callable[[], object]], repeats: int, device: Any = None
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Run each candidate once per round (after a warm-up round), so noise hits them alike.
+
+    Returns per candidate (wall seconds, process CPU seconds) per call. CPU time, summed over
+    threads, is the steadier number on a shared machine where wall time includes waiting. On CUDA
+    the wall time spans a synchronize before and after the call: the kernels' whole run.
+    """
+
+    def synchronize() -> None:
+        if device is not None and device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
+
+    for run in candidates.values():
+        run()
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in candidates}
+    for _ in range(repeats):
+        for name, run in candidates.items():
+            synchronize()
+            wall_start, cpu_start = time.perf_counter(), time.process_time()
+            run()
+            synchronize()
+            times[name][0].append(time.perf_counter() - wall_start)
+            times[name][1].append(time.process_time() - cpu_start)
+    return times
