@@ -266,17 +266,15 @@ def _prefill_rows(args: argparse.Namespace) -> list[dict]:
     """The prefill chunk's rows (printed), each ISA build this run times; [] when skipped."""
     if not args.prefill_chunk or args.device != "cpu":
         return []
-    settings = dict(chunk=args.prefill_chunk, intermediate_size=1536, repeats=args.repeats)
-    isas = None if args.isa is None else ["native", *args.isa]
-    prefill_args = argparse.Namespace(
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
+    rows = bench_prefill(
+        chunk=args.prefill_chunk,
+        heads=args.num_heads,
+        kv_heads=args.num_kv_heads,
         head_dim=args.head_dim,
         block_size=args.block_size,
-        isa=isas,
-        **settings,
+        repeats=args.repeats,
+        isas=None if args.isa is None else ["native", *args.isa],
     )
-    rows = bench_prefill(prefill_args)
     print_prefill(rows)
     return rows
 

@@ -33,31 +33,36 @@ from pagedserve.cache.attention.cpu import CpuPagedAttention, host_runnable_isas
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_prefill_args(parser)
+    parser.add_argument("--chunk", type=int, default=1024, help="new tokens in the chunk")
+    parser.add_argument("--num-heads", type=int, default=9)
+    parser.add_argument("--num-kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--intermediate-size", type=int, default=1536, help="the matmul's N")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=9, help="timed rounds (median reported)")
+    parser.add_argument(
+        "--isa", nargs="+", default=None, help="kernel builds (default: all the host runs)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "prefill_attention.json")
     return parser.parse_args(argv)
 
 
-def add_prefill_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("prefill")
-    group.add_argument("--chunk", type=int, default=1024, help="new tokens in the chunk")
-    group.add_argument("--num-heads", type=int, default=9)
-    group.add_argument("--num-kv-heads", type=int, default=3)
-    group.add_argument("--head-dim", type=int, default=64)
-    group.add_argument("--intermediate-size", type=int, default=1536, help="the matmul's N")
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--repeats", type=int, default=9, help="timed rounds (median reported)")
-    group.add_argument(
-        "--isa", nargs="+", default=None, help="kernel builds (default: all the host runs)"
-    )
-
-
-def bench_prefill(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per implementation: ms, GFLOP/s, and the fraction of the matmul's GFLOP/s."""
-    chunk, heads, kv_heads, head_dim = args.chunk, args.num_heads, args.num_kv_heads, args.head_dim
-    num_blocks = -(-chunk // args.block_size)
-    shape = (num_blocks + 4, args.block_size, kv_heads, head_dim)
+def bench_prefill(
+    *,
+    chunk: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    repeats: int,
+    isas: list[str] | None = None,
+    intermediate_size: int = 1536,
+) -> list[dict[str, Any]]:
+    """One row per implementation: ms, GFLOP/s, and the fraction of the matmul's GFLOP/s.
+    `isas`: the kernel builds to time (None: every one the host runs)."""
+    num_blocks = -(-chunk // block_size)
+    shape = (num_blocks + 4, block_size, kv_heads, head_dim)
     key_cache, value_cache = torch.randn(shape), torch.randn(shape)
     table = torch.randperm(num_blocks + 4)[:num_blocks].to(torch.int32)  # scattered, as served
     meta = AttentionMetadata(
@@ -75,8 +80,8 @@ def bench_prefill(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     keys, values, queries = contiguous(key_cache), contiguous(value_cache), query.transpose(0, 1)
     hidden = torch.randn(chunk, heads * head_dim)
-    weight = torch.randn(args.intermediate_size, heads * head_dim)
-    kernels = {isa: CpuPagedAttention(isa) for isa in args.isa or host_runnable_isas()}
+    weight = torch.randn(intermediate_size, heads * head_dim)
+    kernels = {isa: CpuPagedAttention(isa) for isa in isas or host_runnable_isas()}
     candidates: dict[str, Callable[[], Any]] = {
         f"cpu_{isa}": lambda k=kernel: k.forward(query, key_cache, value_cache, meta, scale)
         for isa, kernel in kernels.items()
@@ -85,7 +90,7 @@ def bench_prefill(args: argparse.Namespace) -> list[dict[str, Any]]:
         queries[None], keys, values, is_causal=True, scale=scale
     )
     candidates["matmul"] = lambda: F.linear(hidden, weight)
-    times = time_interleaved(candidates, args.repeats)
+    times = time_interleaved(candidates, repeats)
     seconds = {name: statistics.median(wall) for name, (wall, _) in times.items()}
     attention_flops = 4 * heads * head_dim * chunk * (chunk + 1) / 2
     matmul_rate = 2 * chunk * hidden.shape[1] * weight.shape[0] / seconds["matmul"]
@@ -119,7 +124,16 @@ def print_prefill(rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     set_num_threads(args.threads)
-    rows = bench_prefill(args)
+    rows = bench_prefill(
+        chunk=args.chunk,
+        heads=args.num_heads,
+        kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        block_size=args.block_size,
+        repeats=args.repeats,
+        isas=args.isa,
+        intermediate_size=args.intermediate_size,
+    )
     print_prefill(rows)
     write_results(args.output, args, rows)
     return rows
