@@ -68,10 +68,9 @@ class RejectionSampler:
         self, logits: Tensor, row: SamplingRow, drafts: tuple[int, ...]
     ) -> list[SampleResult]:
         if not row.needs_processing:  # plain argmax (bans only shrink as the output grows)
-            argmax = greedy_token_ids(logits)
             run = []
-            for j, token_id in enumerate(argmax):
-                run.append(SampleResult(int(token_id), None))
+            for j, token_id in enumerate(greedy_token_ids(logits)):  # already Python ints
+                run.append(SampleResult(token_id, None))
                 if j == len(drafts) or token_id != drafts[j]:
                     break
             return run
