@@ -9,6 +9,7 @@ turns them into JSON without importing `scheduler` or `cache`.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedserve.cache.block_manager import BlockManagerSnapshot
@@ -25,6 +26,7 @@ from pagedserve.scheduler.snapshot import (
 # A block is "free" (nothing in it worth keeping), "cached" (free, but its hash is registered:
 # a request with the same prefix revives it instead of recomputing) or "in_use" (ref_count > 0).
 BLOCK_STATES = ("free", "cached", "in_use")
+_NO_OWNERS: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +36,7 @@ class BlockInfo:
     block_id: int
     state: str  # one of BLOCK_STATES
     ref_count: int
-    owner_ids: list[str]  # sequences whose block table holds this block (len == ref_count)
+    owner_ids: Sequence[str]  # sequences whose block table holds this block (len == ref_count)
     is_hashed: bool  # registered in the prefix-cache index
 
 
@@ -55,7 +57,7 @@ class EngineState:
     enable_prefix_caching: bool
     block_states: list[str]  # one of BLOCK_STATES
     ref_counts: list[int]
-    owner_ids: list[list[str]]  # sequences whose block table holds the block (len == ref_count)
+    owner_ids: list[Sequence[str]]  # sequences whose block table holds it (len == ref_count)
     is_hashed: list[bool]  # registered in the prefix-cache index
     running: list[RequestSnapshot]
     waiting: list[RequestSnapshot]
@@ -101,10 +103,15 @@ def take_raw_state(
 def build_engine_state(raw: RawEngineState) -> EngineState:
     """Classify each block and read its owners from the block tables (O(num_blocks))."""
     pool = raw.blocks
-    owners: list[list[str]] = [[] for _ in range(pool.num_blocks)]
+    # Free blocks share one empty tuple: a list each would be thousands of allocations per poll.
+    owners: list[Sequence[str]] = [_NO_OWNERS] * pool.num_blocks
     for sequence_id, block_ids in pool.tables.items():
         for block_id in block_ids:
-            owners[block_id].append(sequence_id)
+            held = owners[block_id]
+            if held is _NO_OWNERS:
+                owners[block_id] = [sequence_id]
+            else:
+                held.append(sequence_id)  # type: ignore[attr-defined]
     states = [
         "in_use" if ref_count else "cached" if is_hashed else "free"
         for ref_count, is_hashed in zip(pool.ref_counts, pool.is_hashed, strict=True)

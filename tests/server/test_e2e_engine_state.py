@@ -47,9 +47,18 @@ def url() -> Iterator[str]:
 
 
 def get_state(url: str) -> dict[str, Any]:
+    """The state, its columnar pool turned into one dict per block (as the page does)."""
     response = httpx.get(f"{url}/v1/engine/state", timeout=TIMEOUT_S)
     assert response.status_code == 200, response.text
-    return response.json()
+    state = response.json()
+    columns = state["blocks"]
+    assert set(columns) == {"state", "ref_count", "owner_ids", "is_hashed"}
+    assert all(len(column) == state["num_blocks"] for column in columns.values())
+    state["blocks"] = [
+        {"block_id": block_id} | {name: column[block_id] for name, column in columns.items()}
+        for block_id in range(state["num_blocks"])
+    ]
+    return state
 
 
 def wait_for_idle(url: str, timeout_s: float = 60) -> dict[str, Any]:
