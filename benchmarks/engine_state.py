@@ -258,6 +258,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from pagedserve.engine.heap import freeze_startup_objects, thaw_startup_objects
     from pagedserve.engine.memory import resolve_device
     from pagedserve.engine.model_loader import load_model
 
@@ -268,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     loaded = load_model(config.model, resolve_device(config.model.device))
     warmup = argparse.Namespace(**{**vars(args), "output_tokens": 2})
     asyncio.run(run_once(config, loaded, prompts[:2], warmup, phase=0))  # builds the kernel
+    freeze_startup_objects()  # as the server does once its engine is up
     runs = []
     for repeat in range(args.repeats):
         for phase in (repeat % 2, 1 - repeat % 2):
@@ -276,6 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"run {len(runs)}: poller on in the {'odd' if phase else 'even'} windows, "
                 f"{runs[-1]['seconds']:.1f} s, {runs[-1]['num_polls']} polls"
             )
+    thaw_startup_objects()
     summary = summarize(runs)
     for pair in summary["pairs"]:
         low, high = pair["slowdown_ci95"]

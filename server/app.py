@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from pagedserve.configs import EngineConfig
 from pagedserve.engine.client import EngineClient
+from pagedserve.engine.heap import freeze_startup_objects, thaw_startup_objects
 from pagedserve.server.errors import install_exception_handlers
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.middleware import (
@@ -31,7 +32,8 @@ from pagedserve.server.routes import (
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    if app.state.engine is None:
+    owns_engine = app.state.engine is None  # then this app is the process: `pagedserve serve`
+    if owns_engine:
         # Imported here so that apps built around a fake engine (tests) never import torch.
         from pagedserve.engine.async_engine import AsyncEngine
 
@@ -47,11 +49,15 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     )
     app.state.started_at = int(time.time())
     app.state.stop_requests = asyncio.Event()  # set by `begin_shutdown` once the grace is over
+    if owns_engine:  # full GC passes would walk the whole model each time (engine/heap.py)
+        freeze_startup_objects()
     try:
         yield
     finally:
         # Fails what is still pending, so streams that are still open end with a final event.
         await engine.shutdown()
+        if owns_engine:
+            thaw_startup_objects()
 
 
 def begin_shutdown(app: FastAPI, grace_s: float) -> None:
