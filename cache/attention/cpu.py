@@ -1,5 +1,7 @@
 """CPU paged attention: a C++/OpenMP kernel (csrc/paged_attention.cpp) built on first use.
 
+The same extension carries the bfloat16 RMSNorm (csrc/rms_norm.cpp, used by engine/fused_norm.py).
+
 The build is cached under ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``)
 in a directory keyed by the source, the torch install, the target ISA (``$PAGEDSERVE_CPU_ISA``:
 ``native``, the default, ``avx2`` or ``avx512``) and the host CPU, so a rebuild happens only when
@@ -27,7 +29,10 @@ from pagedserve.cache.attention.torch_ref import TorchPagedAttention, store_kv_b
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# One extension: the attention kernel, and the fused RMSNorm bfloat16 models use (rms_norm.cpp).
+_SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "rms_norm.cpp")
+)
 # -Wno-psabi: GCC notes the ABI of wide vector returns; they never leave the file.
 # Tuples: torch appends its own libraries to the flag lists it is given, and a module-level list
 # that grew would change the build's hash, so every later load in the process would rebuild.
@@ -91,7 +96,7 @@ def _build_key(isa: str, cflags: list[str]) -> str:
     """What the built extension depends on: a change to any of it builds a fresh copy."""
     digest = hashlib.sha256()
     for part in (
-        _SOURCE.read_bytes(),
+        *(source.read_bytes() for source in _SOURCES),
         torch.__version__.encode(),
         # Each torch install writes its own include paths into build.ninja: two venvs sharing one
         # build directory would rebuild it back and forth.
@@ -158,7 +163,7 @@ def _load_cpu_kernel(isa: str) -> ModuleType:
         try:
             return cpp_extension.load(
                 name=f"pagedserve_paged_attention_{key}",
-                sources=[str(_SOURCE)],
+                sources=[str(source) for source in _SOURCES],
                 extra_cflags=cflags,
                 extra_ldflags=list(_LDFLAGS),
                 build_directory=str(build_dir),

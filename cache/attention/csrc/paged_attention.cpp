@@ -570,6 +570,9 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   return output;
 }
 
+// rms_norm.cpp, built into the same extension (one build per ISA, one load).
+torch::Tensor rms_norm_bf16(const torch::Tensor& input, const torch::Tensor& weight, double eps);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vector_lanes") = kLanes;  // what the build targets: 16 (AVX-512) or 8 (AVX2)
   m.def("paged_attention", &paged_attention, py::arg("query"), py::arg("key_cache"),
@@ -578,4 +581,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
         "Paged attention over a mixed batch (float32 query, any supported cache dtype); returns "
         "float32 [num_tokens, num_heads, head_dim]");
+  m.def("rms_norm_bf16", &rms_norm_bf16, py::arg("input"), py::arg("weight"), py::arg("eps"),
+        "Hugging Face's LlamaRMSNorm of bfloat16 rows in one pass (rms_norm.cpp)");
 }
