@@ -33,6 +33,8 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
+from pagedserve.engine.module_swap import swap_children
+
 logger = logging.getLogger(__name__)
 
 
@@ -91,18 +93,17 @@ def fuse_rms_norms(model: nn.Module, kernel: ModuleType | None = None) -> int:
         except RuntimeError as error:  # no compiler, or the build failed: still correct without
             logger.warning("RMSNorm left unfused: %s", error)
             return 0
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not computes_llama_rms_norm(type(child)) or child.weight.dtype != torch.bfloat16:
-                continue
-            fused = FusedRMSNorm(child, kernel)
-            if not _same_output(child, fused):
-                logger.warning("the fused RMSNorm disagrees with %s; left as it is", name)
-                continue
-            setattr(parent, name, fused)
-            swapped += 1
-    return swapped
+
+    def fuse(name: str, child: nn.Module) -> FusedRMSNorm | None:
+        if not computes_llama_rms_norm(type(child)) or child.weight.dtype != torch.bfloat16:
+            return None
+        fused = FusedRMSNorm(child, kernel)
+        if not _same_output(child, fused):
+            logger.warning("the fused RMSNorm disagrees with %s; left as it is", name)
+            return None
+        return fused
+
+    return swap_children(model, fuse)
 
 
 # Two bfloat16 ulps, relative: the spacing at a value is at most 2^-7 of it (8 significant bits).

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16
+from pagedserve.engine.module_swap import swap_children
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +75,17 @@ def pack_linears(model: nn.Module) -> int:
         if type(module) is not nn.Linear
         for parameter in module.parameters(recurse=False)
     }
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
-                continue
-            packed = PackedLinear(child, keep_weight=id(child.weight) in tied)
-            if not _same_output(child, packed):
-                logger.warning("oneDNN's packed %s differs from nn.Linear; left unpacked", name)
-                continue
-            setattr(parent, name, packed)
-            swapped += 1
-    return swapped
+
+    def pack(name: str, child: nn.Module) -> PackedLinear | None:
+        if type(child) is not nn.Linear:
+            return None
+        packed = PackedLinear(child, keep_weight=id(child.weight) in tied)
+        if not _same_output(child, packed):
+            logger.warning("oneDNN's packed %s differs from nn.Linear; left unpacked", name)
+            return None
+        return packed
+
+    return swap_children(model, pack)
 
 
 @torch.inference_mode()
