@@ -8,12 +8,13 @@ Ranges of sampling values are checked once, by `SamplingParams`, not repeated he
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -224,19 +225,32 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+# The lowest logprob a response shows: a token the constraint (or top-k) ruled out has -inf,
+# which JSON cannot carry; vLLM's server writes -9999.0 for it too.
+MIN_LOGPROB = -9999.0
+
+
+def _finite_logprob(value: float) -> float:
+    return value if value > MIN_LOGPROB else MIN_LOGPROB  # -inf (and NaN) become the floor
+
+
+# Every logprob field serialises through this, so values appended after validation are covered.
+Logprob = Annotated[float, PlainSerializer(_finite_logprob, return_type=float)]
+
+
 class CompletionLogprobs(BaseModel):
     """OpenAI's legacy (completions) logprobs: parallel lists, one entry per token."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    token_logprobs: list[Logprob | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, Logprob] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
 class PromptLogprob(BaseModel):
     """vLLM's prompt logprobs entry, keyed by token id: the prompt's token and its alternatives."""
 
-    logprob: float
+    logprob: Logprob
     rank: int | None = None  # 1 = the most likely token at that position
     decoded_token: str
 
@@ -275,7 +289,7 @@ class CompletionResponse(BaseModel):
 
 class TopLogprob(BaseModel):
     token: str
-    logprob: float
+    logprob: Logprob
     bytes: list[int] | None = None
 
 

@@ -174,3 +174,28 @@ def test_bad_constraints_are_400s_naming_the_parameter(client, model_name, extra
         )
     assert raised.value.status_code == 400
     assert raised.value.body["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_tokens_the_constraint_rules_out_come_back_as_minus_9999(
+    client, model_name, stream
+):
+    """Where the grammar allows fewer tokens than the top list asks for, the rest have logprob
+    -inf, which JSON cannot carry: the response writes -9999.0 (as vLLM's server does)."""
+    regex = "[01]{3}"  # a digit of two at each step: three of the five alternatives are ruled out
+    completion = client.completions.create(
+        model=model_name,
+        prompt="Three bits:",
+        max_tokens=3,
+        logprobs=5,
+        stream=stream,
+        extra_body={"structured_outputs": {"regex": regex}},
+    )
+    chunks = list(completion) if stream else [completion]
+    text = "".join(chunk.choices[0].text for chunk in chunks)
+    top = [step for chunk in chunks for step in chunk.choices[0].logprobs.top_logprobs]
+    assert re.fullmatch(regex, text)
+    assert len(top) == 3 and all(len(step) == 5 for step in top)
+    assert all(-9999.0 in step.values() for step in top), top
+    chosen = [v for chunk in chunks for v in chunk.choices[0].logprobs.token_logprobs]
+    assert all(-9999.0 < value <= 0 for value in chosen)
