@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
+
+
+def is_bfloat16_cpu_model(model: nn.Module) -> bool:
+    """Whether the model's (first) parameters are bfloat16 on the CPU: where the swaps apply."""
+    parameter = next(model.parameters(), None)
+    return (
+        parameter is not None
+        and parameter.device.type == "cpu"
+        and parameter.dtype == torch.bfloat16
+    )
 
 
 def swap_children(model: nn.Module, replace: Callable[[str, nn.Module], nn.Module | None]) -> int:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16
-from pagedserve.engine.module_swap import swap_children
+from pagedserve.engine.module_swap import is_bfloat16_cpu_model, swap_children
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,7 @@ class PackedLinear(nn.Module):
 def can_pack(model: nn.Module, flags: frozenset[str] | None = None) -> bool:
     """Whether `pack_linears` applies: a bfloat16 model on the CPU, a CPU with native bf16, and a
     torch build with oneDNN's bf16 linear."""
-    parameter = next(model.parameters(), None)
-    if parameter is None or parameter.device.type != "cpu" or parameter.dtype != torch.bfloat16:
+    if not is_bfloat16_cpu_model(model):
         return False
     if missing_native_bf16(host_cpu_flags() if flags is None else flags):
         return False
