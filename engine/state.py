@@ -9,6 +9,7 @@ turns them into JSON without importing `scheduler` or `cache`.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -103,15 +104,15 @@ def take_raw_state(
 def build_engine_state(raw: RawEngineState) -> EngineState:
     """Classify each block and read its owners from the block tables (O(num_blocks))."""
     pool = raw.blocks
-    # Free blocks share one empty tuple: a list each would be thousands of allocations per poll.
-    owners: list[Sequence[str]] = [_NO_OWNERS] * pool.num_blocks
+    # Lists only for blocks in use; free ones share one empty tuple (a list each would be
+    # thousands of allocations per poll).
+    held_by: defaultdict[int, list[str]] = defaultdict(list)
     for sequence_id, block_ids in pool.tables.items():
         for block_id in block_ids:
-            held = owners[block_id]
-            if held is _NO_OWNERS:
-                owners[block_id] = [sequence_id]
-            else:
-                held.append(sequence_id)  # type: ignore[attr-defined]
+            held_by[block_id].append(sequence_id)
+    owners: list[Sequence[str]] = [_NO_OWNERS] * pool.num_blocks
+    for block_id, sequence_ids in held_by.items():
+        owners[block_id] = sequence_ids
     states = [
         "in_use" if ref_count else "cached" if is_hashed else "free"
         for ref_count, is_hashed in zip(pool.ref_counts, pool.is_hashed, strict=True)
