@@ -9,6 +9,7 @@ one `call_soon_threadsafe` into per-request `asyncio.Queue`s. Closing a request'
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -89,13 +90,22 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self._dead_reason is None
 
     async def start(self) -> None:
-        """Load the model (in a worker thread, the event loop stays free), then start the loop."""
+        """Start the engine thread: it loads the model (the event loop stays free), then steps.
+
+        Loading and stepping happen on the same thread on purpose. OpenMP (torch's intra-op
+        pool) keeps one team of worker threads per thread that ever ran a parallel region, and
+        once it manages more threads than there are CPUs, libgomp stops spinning between
+        regions and parks its workers on a futex. A model loaded on one thread and run on
+        another leaves two teams: each of the ~200 parallel regions of a decode step then pays a
+        wake-up, and a step takes about twice as long as offline (52.6 ms against 27.9 ms at
+        batch 1 on 2 cores, bfloat16; see benchmarks/RESULTS.md)."""
         self._loop = asyncio.get_running_loop()
-        if self.engine is None:
-            self.engine = await asyncio.to_thread(LLMEngine, self.config)
-        await asyncio.to_thread(self.engine.structured.compiler.prepare)
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(ready,), name="pagedserve-engine", daemon=True
+        )
         self._thread.start()
+        await asyncio.wrap_future(ready)  # a load that failed raises here
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort what is still running (each stream gets its final event), then stop the thread."""
@@ -191,8 +201,24 @@ class AsyncEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
 
-    def _run(self) -> None:
-        engine = self._engine
+    def _load(self, ready: concurrent.futures.Future[None]) -> LLMEngine | None:
+        """On the engine thread: build the engine unless one was given, then read the grammar
+        vocabulary. Reports to `ready`; None if it failed (the error went there)."""
+        try:
+            if self.engine is None:
+                self.engine = LLMEngine(self.config)
+            self.engine.structured.compiler.prepare()
+        except BaseException as error:  # noqa: BLE001 - handed to start(), which raises it
+            self._dead_reason = f"the engine failed to start: {type(error).__name__}"
+            ready.set_exception(error)
+            return None
+        ready.set_result(None)
+        return self.engine
+
+    def _run(self, ready: concurrent.futures.Future[None]) -> None:
+        engine = self._load(ready)
+        if engine is None:
+            return
         try:
             while not self._stopping.is_set() or engine.has_unfinished_requests():
                 deltas = self._apply_commands(block=not engine.has_unfinished_requests())

@@ -1,16 +1,19 @@
 """AsyncEngine's bridge between the engine thread and asyncio, on a tiny random model: a request
 id reused right after its stream was closed early never receives the old request's deltas, and a
 request that arrives while the engine shuts down is refused instead of waiting forever, and a
-request's priority reaches the scheduler (under the priority policy only)."""
+request's priority reaches the scheduler (under the priority policy only); the model is loaded
+on the thread that steps it, and a load that fails fails start()."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 
 from pagedserve.configs import EngineConfig, SamplingParams
+from pagedserve.engine import async_engine as async_engine_module
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from tests.engine.conftest import make_engine, make_tiny_model
@@ -118,6 +121,56 @@ def test_when_the_engine_loop_dies_open_streams_fail_and_the_engine_reports_dead
                 pass
         assert not engine.is_alive
         with pytest.raises(EngineDeadError):
+            await anext(engine.generate(PROMPT, SamplingParams(max_tokens=2), "after"))
+
+    asyncio.run(scenario())
+
+
+def test_the_engine_thread_loads_the_model_it_then_steps(tiny_loaded, monkeypatch):
+    """One thread owns torch: a model built on another thread leaves a second OpenMP team behind,
+    and libgomp then parks its workers between regions (a serving step ran ~2x slower)."""
+    threads: dict[str, str] = {}
+
+    def load_here(config):
+        threads["load"] = threading.current_thread().name
+        engine = make_engine(tiny_loaded, block_size=4)
+        step = engine.step
+
+        def recorded_step():
+            threads["step"] = threading.current_thread().name
+            return step()
+
+        engine.step = recorded_step  # type: ignore[method-assign]
+        return engine
+
+    monkeypatch.setattr(async_engine_module, "LLMEngine", load_here)
+
+    async def scenario() -> None:
+        engine = AsyncEngine(EngineConfig())
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+            async for _ in engine.generate(PROMPT, params, "r"):
+                pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())
+    assert threads == {"load": "pagedserve-engine", "step": "pagedserve-engine"}
+
+
+def test_a_model_that_fails_to_load_fails_start_and_the_engine_reports_dead(monkeypatch):
+    def broken_load(config):
+        raise OSError("injected: no such model folder")
+
+    monkeypatch.setattr(async_engine_module, "LLMEngine", broken_load)
+
+    async def scenario() -> None:
+        engine = AsyncEngine(EngineConfig())
+        with pytest.raises(OSError, match="no such model folder"):
+            await engine.start()
+        assert not engine.is_alive
+        with pytest.raises(EngineDeadError, match="failed to start"):
             await anext(engine.generate(PROMPT, SamplingParams(max_tokens=2), "after"))
 
     asyncio.run(scenario())
