@@ -30,6 +30,7 @@ from transformers import (
 from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16
 from pagedserve.cache.cache_engine import TORCH_DTYPES
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
+from pagedserve.engine.fused_mlp import can_fuse_mlps, fuse_mlps
 from pagedserve.engine.fused_norm import can_fuse_norms, fuse_rms_norms
 from pagedserve.engine.packed_linear import can_pack, pack_linears
 
@@ -186,6 +187,8 @@ def load_model(
         local_files_only=True,
     )
     model.to(device).eval()
+    if can_fuse_mlps(model):  # bfloat16 on the CPU: [gate; up] in one matmul, SiLU-and-mul in C++
+        logger.info("fused %d bfloat16 MLP layers", fuse_mlps(model))
     if can_pack(model):  # bfloat16 on a CPU with native bf16: oneDNN's layout, reordered once
         logger.info("packed %d bfloat16 linear layers for oneDNN", pack_linears(model))
     if can_fuse_norms(model):  # bfloat16 on the CPU: RMSNorm in one C++ pass

@@ -55,5 +55,6 @@ def test_the_loader_packs_a_bfloat16_model_and_leaves_float32_alone(default_mode
     bf16 = load_model(ModelConfig(model=DEFAULT_MODEL, dtype="bfloat16"), "cpu").model
     assert isinstance(bf16.lm_head, PackedLinear)
     assert isinstance(bf16.model.layers[0].self_attn.q_proj, PackedLinear)
+    assert isinstance(bf16.model.layers[0].mlp.gate_up_proj, PackedLinear)  # fused, then packed
     fp32 = load_model(ModelConfig(model=DEFAULT_MODEL, dtype="float32"), "cpu").model
     assert type(fp32.lm_head) is nn.Linear

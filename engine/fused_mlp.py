@@ -1,0 +1,131 @@
+"""bfloat16 Llama-style MLP on CPU: one matrix multiply for gate and up, then SiLU-and-multiply in
+one C++ pass (cache/attention/csrc/silu_mul.cpp), then down.
+
+Hugging Face's `LlamaMLP.forward` is `down_proj(act_fn(gate_proj(x)) * up_proj(x))`: two matrix
+multiplies over the same input, a SiLU pass and a multiply pass, each with its own allocation and
+op dispatch, once per layer. `FusedMLP` multiplies by the concatenated `[gate; up]` weight (built
+once at load, then packed for oneDNN like every other linear) and reads that output once for
+`silu(gate) * up`. What it saves is measured in `benchmarks/RESULTS.md`.
+
+The SiLU-and-multiply is bit-identical to the module's (checked on every bfloat16 gate value); the
+one matmul over `[gate; up]` is bit-identical to the two up to 512 rows here, but oneDNN may block
+a larger one differently (it did at 2,048 rows: an ulp here and there). So it is swapped only where
+that is all it changes, as engine/fused_norm.py does:
+- a module whose class's `forward` is, to the character, `LlamaMLP.forward` (Mistral, Qwen2/3,
+  Granite and others copy it) and whose activation is SiLU;
+- bfloat16 CPU models only: float32 models keep the module, whose every bit the equality tests
+  with `generate` check (the op's exp is not ATen's float32 one, bit for bit);
+- and only if, on a probe input, the fused intermediate agrees with the module's to two bfloat16
+  ulps.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from types import ModuleType
+
+import torch
+from torch import Tensor, nn
+
+from pagedserve.engine.module_swap import is_bfloat16_cpu_model, swap_children
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _llama_mlp_source() -> str:
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    return inspect.getsource(LlamaMLP.forward)
+
+
+@functools.cache
+def computes_llama_mlp(cls: type) -> bool:
+    """Whether `cls.forward` is Hugging Face's LlamaMLP formula, word for word."""
+    try:
+        return inspect.getsource(cls.forward) == _llama_mlp_source()
+    except (OSError, TypeError):  # no source to compare: not ours to replace
+        return False
+
+
+def _is_silu(activation: nn.Module) -> bool:
+    probe = torch.linspace(-12.0, 12.0, 97)
+    return bool(torch.allclose(activation(probe), nn.functional.silu(probe)))
+
+
+class FusedMLP(nn.Module):
+    """A Llama-style MLP whose gate and up projections are one linear layer."""
+
+    def __init__(self, mlp: nn.Module, kernel: ModuleType) -> None:
+        super().__init__()
+        gate, up = mlp.gate_proj, mlp.up_proj
+        self.gate_up_proj = nn.Linear(
+            gate.in_features, 2 * gate.out_features, bias=gate.bias is not None
+        )
+        with torch.no_grad():  # rows [0, I) compute gate, rows [I, 2I) compute up
+            self.gate_up_proj.weight = nn.Parameter(
+                torch.cat([gate.weight, up.weight]), requires_grad=False
+            )
+            if gate.bias is not None:
+                self.gate_up_proj.bias = nn.Parameter(
+                    torch.cat([gate.bias, up.bias]), requires_grad=False
+                )
+        self.down_proj = mlp.down_proj
+        self._kernel = kernel
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self._kernel.silu_mul_bf16(self.gate_up_proj(x)))
+
+    def extra_repr(self) -> str:
+        return "silu(gate) * up fused=C++"
+
+
+def can_fuse_mlps(model: nn.Module) -> bool:
+    """bfloat16 CPU models only (float32 keeps the module the equality tests check)."""
+    return is_bfloat16_cpu_model(model)
+
+
+def fuse_mlps(model: nn.Module, kernel: ModuleType | None = None) -> int:
+    """Swap each eligible MLP of a bfloat16 CPU model for a `FusedMLP`; returns how many.
+
+    Run before `pack_linears`, which then packs the concatenated weight. `kernel` defaults to the
+    host's CPU extension build; if it cannot be built the model keeps its modules, with a warning.
+    """
+    if kernel is None:
+        from pagedserve.cache.attention.cpu import load_cpu_kernel
+
+        try:
+            kernel = load_cpu_kernel()
+        except RuntimeError as error:  # no compiler, or the build failed: still correct without
+            logger.warning("MLP left unfused: %s", error)
+            return 0
+
+    def fuse(name: str, child: nn.Module) -> FusedMLP | None:
+        if not computes_llama_mlp(type(child)) or not _is_silu(child.act_fn):
+            return None
+        if child.gate_proj.weight.dtype != torch.bfloat16:
+            return None
+        fused = FusedMLP(child, kernel)
+        if not _same_intermediate(child, fused):
+            logger.warning("the fused MLP disagrees with %s; left as it is", name)
+            return None
+        return fused
+
+    return swap_children(model, fuse)
+
+
+# Two bfloat16 ulps, relative (8 significant bits): one from a flipped SiLU rounding, one more
+# from the multiply's rounding after it.
+TOLERANCE = 2 * 2.0**-7
+
+
+@torch.inference_mode()
+def _same_intermediate(mlp: nn.Module, fused: FusedMLP) -> bool:
+    """`silu(gate) * up` within two bfloat16 ulps of the module's on a probe input."""
+    size = mlp.gate_proj.in_features
+    probe = torch.randn(4, size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    expected = (mlp.act_fn(mlp.gate_proj(probe)) * mlp.up_proj(probe)).float()
+    got = fused._kernel.silu_mul_bf16(fused.gate_up_proj(probe)).float()
+    return bool(((got - expected).abs() <= TOLERANCE * expected.abs()).all())

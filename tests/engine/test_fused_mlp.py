@@ -1,0 +1,154 @@
+"""bfloat16 MLP with [gate; up] in one matmul and SiLU-and-multiply in one C++ pass: within two
+bfloat16 ulps of Hugging Face's intermediate (and equal almost everywhere) on every ISA build,
+swapped for every family that computes LlamaMLP's formula with SiLU, left alone elsewhere and in
+float32, and, over the default model, as close to float32 as the module is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.gemma.modeling_gemma import GemmaMLP
+from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.phi3.modeling_phi3 import Phi3MLP
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+from pagedserve.cache.attention.cpu import host_runnable_isas, load_cpu_kernel
+from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
+from pagedserve.engine import model_loader
+from pagedserve.engine.fused_mlp import (
+    TOLERANCE,
+    FusedMLP,
+    can_fuse_mlps,
+    computes_llama_mlp,
+    fuse_mlps,
+)
+from pagedserve.engine.model_loader import load_model
+from tests.engine.conftest import make_tiny_model
+
+
+def assert_close_to_the_module(got: torch.Tensor, expected: torch.Tensor) -> None:
+    got, expected = got.float(), expected.float()
+    assert ((got - expected).abs() <= TOLERANCE * expected.abs()).all()
+    assert (got != expected).float().mean() <= 1e-3  # rounding flips are rare
+
+
+def bfloat16_mlp(hidden: int, intermediate: int, seed: int, bias: bool = False) -> LlamaMLP:
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, mlp_bias=bias)
+    torch.manual_seed(seed)
+    return LlamaMLP(config).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("isa", host_runnable_isas())
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_silu_mul_matches_the_modules_intermediate_to_two_ulps(isa, rows):
+    kernel = load_cpu_kernel(isa)
+    generator = torch.Generator().manual_seed(rows)
+    for scale in (1e-3, 1.0, 30.0, 300.0):  # SiLU's tails: near 0, typical, saturated both ways
+        gate, up = (
+            (scale * torch.randn(rows, 1536, generator=generator)).to(torch.bfloat16)
+            for _ in range(2)
+        )
+        expected = nn.functional.silu(gate) * up
+        assert_close_to_the_module(kernel.silu_mul_bf16(torch.cat([gate, up], dim=-1)), expected)
+
+
+def test_silu_mul_is_atens_silu_for_every_bfloat16_gate():
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    gate = bits.view(torch.bfloat16)
+    gate = gate[~gate.float().isnan()]
+    gate_up = torch.stack([gate, torch.ones_like(gate)], dim=1)  # rows of [g; 1]
+    got = load_cpu_kernel().silu_mul_bf16(gate_up).reshape(-1)
+    # Exactly, with NaN where ATen has one (silu(-inf) = -inf / inf).
+    torch.testing.assert_close(got, nn.functional.silu(gate), rtol=0, atol=0, equal_nan=True)
+
+
+def test_silu_mul_keeps_leading_dimensions_and_reads_views():
+    kernel = load_cpu_kernel()
+    gate_up = torch.randn(2, 3, 2 * 40).to(torch.bfloat16)
+    assert kernel.silu_mul_bf16(gate_up).shape == (2, 3, 40)
+    transposed = torch.randn(80, 5).to(torch.bfloat16).T  # not contiguous
+    expected = nn.functional.silu(transposed[:, :40]) * transposed[:, 40:]
+    assert_close_to_the_module(kernel.silu_mul_bf16(transposed), expected)
+    special = torch.tensor([[float("inf"), float("-inf"), 0.0, 2.0, 1.0, 1.0, 0.0, 5.0]])
+    special = special.to(torch.bfloat16)
+    reference = nn.functional.silu(special[:, :4]) * special[:, 4:]  # inf, NaN, 0, 8.8
+    torch.testing.assert_close(
+        kernel.silu_mul_bf16(special), reference, rtol=0, atol=0, equal_nan=True
+    )
+    with pytest.raises(RuntimeError, match="even"):
+        kernel.silu_mul_bf16(torch.randn(2, 5).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel.silu_mul_bf16(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fused_mlp_computes_the_modules_output(bias):
+    mlp = bfloat16_mlp(64, 160, seed=3, bias=bias)
+    fused = FusedMLP(mlp, load_cpu_kernel())
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.inference_mode():
+        expected, got = mlp(x).float(), fused(x).float()
+    # Past down_proj, a flipped intermediate ulp is summed with others: compare as a whole.
+    assert (got - expected).abs().max() <= 4 * TOLERANCE * expected.abs().max()
+
+
+def test_only_silu_modules_that_compute_llamas_formula_are_eligible():
+    assert computes_llama_mlp(LlamaMLP) and computes_llama_mlp(Qwen2MLP)
+    assert computes_llama_mlp(GemmaMLP)  # the same forward, but GELU: fuse_mlps checks that too
+    assert not computes_llama_mlp(Phi3MLP)  # already one gate_up_proj, another forward
+    assert not computes_llama_mlp(nn.Linear)
+    gemma_like = bfloat16_mlp(32, 64, seed=0)
+    gemma_like.act_fn = nn.GELU(approximate="tanh")
+    holder = nn.Sequential(gemma_like)
+    assert fuse_mlps(holder) == 0 and holder[0] is gemma_like
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen3-gqa", "mistral-gqa"])
+def test_every_mlp_of_a_bfloat16_model_is_swapped_and_the_logits_stay_close(
+    family, default_tokenizer
+):
+    model = make_tiny_model(family, default_tokenizer).model.to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(model.config.vocab_size, (1, 24), generator=generator)
+    with torch.inference_mode():
+        before = model(input_ids).logits.float()
+    down = model.model.layers[0].mlp.down_proj
+    assert fuse_mlps(model) == model.config.num_hidden_layers
+    assert model.model.layers[0].mlp.down_proj is down  # kept, not copied
+    assert not any(computes_llama_mlp(type(m)) for m in model.modules())
+    with torch.inference_mode():
+        after = model(input_ids).logits.float()
+    assert (after - before).abs().mean() <= 0.02 * before.abs().mean()
+
+
+def test_float32_models_keep_hugging_faces_mlp(default_tokenizer):
+    model = make_tiny_model("llama-gqa", default_tokenizer).model
+    assert not can_fuse_mlps(model)
+    assert can_fuse_mlps(model.to(torch.bfloat16))
+
+
+@pytest.mark.slow
+def test_the_loader_fuses_bfloat16_as_close_to_float32_as_the_module(
+    default_model_path, default_tokenizer, monkeypatch
+):
+    def load(dtype: str) -> nn.Module:
+        config = ModelConfig(model=DEFAULT_MODEL, dtype=dtype)
+        return load_model(config, "cpu", attn_implementation="sdpa").model
+
+    fused, reference = load("bfloat16"), load("float32")
+    assert sum(isinstance(m, FusedMLP) for m in fused.modules()) == 30
+    assert type(reference.model.layers[0].mlp) is LlamaMLP
+    monkeypatch.setattr(model_loader, "can_fuse_mlps", lambda model: False)
+    plain = load("bfloat16")  # the same bfloat16 model (packed, fused norms), HF's MLP
+    assert type(plain.model.layers[0].mlp) is LlamaMLP
+    text = "The block table maps each logical block of a request to a physical block. " * 6
+    input_ids = torch.tensor([default_tokenizer.encode(text)])
+    with torch.inference_mode():
+        expected = reference(input_ids).logits
+        errors = {
+            name: (model(input_ids).logits.float() - expected).abs().mean().item()
+            for name, model in (("fused", fused), ("module", plain))
+        }
+    assert errors["fused"] <= 1.15 * errors["module"], errors
