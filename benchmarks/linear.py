@@ -1,11 +1,17 @@
-"""bfloat16 linear layers: `F.linear` against the weight packed once for oneDNN (`PackedLinear`).
+"""Linear layers against `F.linear`: bfloat16 weights packed once for oneDNN (`PackedLinear`), or
+float32 decode-sized batches through the skinny C++ kernel (`SkinnyLinear`, `--dtype float32`).
 
 The default model's four weight shapes (q/o 576x576, k/v 192x576, gate/up 1536x576, down
 576x1536, LM head 49152x576) at decode and prefill row counts, interleaved round by round in one
 process so machine noise hits both alike; median of `--repeats`. Also checks the outputs are
-bit-identical. Runs only where `pack_linears` applies (a CPU with AVX512_BF16 or AMX).
+bit-identical. bfloat16 runs only where `pack_linears` applies (a CPU with AVX512_BF16 or AMX).
 
-    python -m pagedserve.benchmarks.linear [--rows 1 16 64 512] [--threads 1] [--repeats 30]
+float32 times cold weights, as a decode step meets them: each call cycles through 30 copies of the
+layer's weight (the model's 30 layers; 2 of the LM head), and reports the largest error relative to
+the summed magnitudes (the kernel sums in another order than MKL, so not bit-identical).
+
+    python -m pagedserve.benchmarks.linear [--dtype bfloat16|float32] [--rows 1 16 64 512]
+        [--threads 1] [--repeats 30]
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pagedserve.benchmarks.workload import (
     write_results,
 )
 from pagedserve.engine.packed_linear import PackedLinear, can_pack
+from pagedserve.engine.skinny_linear import MAX_ROWS, SkinnyLinear
 
 SHAPES = {  # name: (out_features, in_features), SmolLM2-135M
     "q_proj/o_proj": (576, 576),
@@ -38,7 +45,8 @@ SHAPES = {  # name: (out_features, in_features), SmolLM2-135M
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--rows", type=int, nargs="+", default=None, help="default: per dtype")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--repeats", type=int, default=30, help="timed rounds (median reported)")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "linear.json")
@@ -65,9 +73,65 @@ def bench_shape(out_features: int, in_features: int, rows: int, repeats: int) ->
     }
 
 
+def bench_skinny(out_features: int, in_features: int, rows: int, repeats: int) -> dict[str, Any]:
+    from pagedserve.cache.attention.cpu import load_cpu_kernel
+
+    copies = 2 if out_features * in_features > 10_000_000 else 30
+    generator = torch.Generator().manual_seed(rows)
+    linears = [nn.Linear(in_features, out_features, bias=False) for _ in range(copies)]
+    kernel = load_cpu_kernel()
+    skinny = [SkinnyLinear(linear, kernel) for linear in linears]
+    x = torch.randn(rows, in_features, generator=generator)
+
+    def run(modules: list[nn.Module]) -> None:
+        for module in modules:
+            module(x)
+
+    with torch.inference_mode():
+        candidates = {"linear": lambda: run(linears), "skinny": lambda: run(skinny)}
+        times = time_interleaved(candidates, repeats)
+        scale = x.abs() @ linears[0].weight.abs().T
+        error = ((skinny[0](x) - linears[0](x)).abs() / scale).max().item()
+    plain_s, skinny_s = (statistics.median(times[name][0]) / copies for name in times)
+    return {
+        "out_features": out_features,
+        "in_features": in_features,
+        "rows": rows,
+        "linear_us": plain_s * 1e6,
+        "skinny_us": skinny_s * 1e6,
+        "speedup": plain_s / skinny_s,
+        "max_relative_error": error,
+    }
+
+
+def main_float32(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    print(
+        f"float32 linear, cold weights, threads={torch.get_num_threads()}, median of "
+        f"{args.repeats}; the module uses the kernel at 2-{MAX_ROWS} rows, F.linear otherwise"
+    )
+    print(
+        f"{'layer':<14} {'shape':>11} {'rows':>5} {'linear us':>10} {'skinny us':>10} {'x':>6}"
+        f" {'max rel err':>12}"
+    )
+    for name, (out_features, in_features) in SHAPES.items():
+        for num_rows in args.rows or [1, 2, 4, 8, 12, 16]:
+            row = {"layer": name, **bench_skinny(out_features, in_features, num_rows, args.repeats)}
+            rows.append(row)
+            print(
+                f"{name:<14} {out_features:>5}x{in_features:<5} {num_rows:>5} "
+                f"{row['linear_us']:>10.1f} {row['skinny_us']:>10.1f} {row['speedup']:>5.2f}x"
+                f" {row['max_relative_error']:>12.1e}"
+            )
+    write_results(args.output, args, rows)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     set_num_threads(args.threads)
+    if args.dtype == "float32":
+        return main_float32(args)
     if not can_pack(nn.Linear(1, 1).to(torch.bfloat16)):
         print("linear: this CPU or torch build cannot pack bf16 linears (no native bf16); skipped")
         return []
@@ -75,7 +139,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"bfloat16 linear, threads={torch.get_num_threads()}, median of {args.repeats}")
     print(f"{'layer':<14} {'shape':>11} {'rows':>5} {'linear us':>10} {'packed us':>10} {'x':>6}")
     for name, (out_features, in_features) in SHAPES.items():
-        for num_rows in args.rows:
+        for num_rows in args.rows or [1, 16, 64, 512]:
             row = {"layer": name, **bench_shape(out_features, in_features, num_rows, args.repeats)}
             rows.append(row)
             print(

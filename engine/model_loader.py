@@ -33,6 +33,7 @@ from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 from pagedserve.engine.fused_mlp import can_fuse_mlps, fuse_mlps
 from pagedserve.engine.fused_norm import can_fuse_norms, fuse_rms_norms
 from pagedserve.engine.packed_linear import can_pack, pack_linears
+from pagedserve.engine.skinny_linear import can_use_skinny_linears, use_skinny_linears
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,8 @@ def load_model(
         logger.info("packed %d bfloat16 linear layers for oneDNN", pack_linears(model))
     if can_fuse_norms(model):  # bfloat16 on the CPU: RMSNorm in one C++ pass
         logger.info("fused %d bfloat16 RMSNorm layers", fuse_rms_norms(model))
+    if can_use_skinny_linears(model) and use_skinny_linears(model):  # float32 CPU: the LM head
+        logger.info("the float32 LM head runs 2-12 rows through the skinny kernel")
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_path, trust_remote_code=model_config.trust_remote_code, local_files_only=True
     )

@@ -1,7 +1,8 @@
 """CPU paged attention: a C++/OpenMP kernel (csrc/paged_attention.cpp) built on first use.
 
 The same extension carries the bfloat16 RMSNorm (csrc/rms_norm.cpp, used by engine/fused_norm.py)
-and SiLU-and-multiply (csrc/silu_mul.cpp, used by engine/fused_mlp.py).
+and SiLU-and-multiply (csrc/silu_mul.cpp, used by engine/fused_mlp.py), and the float32 linear
+for decode-sized batches (csrc/skinny_linear.cpp, used by engine/skinny_linear.py).
 
 The build is cached under ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``)
 in a directory keyed by the source, the torch install, the target ISA (``$PAGEDSERVE_CPU_ISA``:
@@ -30,10 +31,11 @@ from pagedserve.cache.attention.torch_ref import TorchPagedAttention, store_kv_b
 
 logger = logging.getLogger(__name__)
 
-# One extension: the attention kernel, and the fused ops bfloat16 models use (norm, SiLU-and-mul).
+# One extension: the attention kernel, the fused ops bfloat16 models use (norm, SiLU-and-mul) and
+# the float32 decode-size linear.
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "rms_norm.cpp", "silu_mul.cpp")
+    for name in ("paged_attention.cpp", "rms_norm.cpp", "silu_mul.cpp", "skinny_linear.cpp")
 )
 # -Wno-psabi: GCC notes the ABI of wide vector returns; they never leave the file.
 # Tuples: torch appends its own libraries to the flag lists it is given, and a module-level list

@@ -7,7 +7,9 @@ back explicitly, because the engine switches a model it is given to "pagedserve"
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +34,8 @@ from pagedserve.configs import SamplingParams, load_engine_config
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.model_loader import LoadedModel, load_model, resolve_model_path
+from pagedserve.engine.module_swap import swap_children
+from pagedserve.engine.skinny_linear import SkinnyLinear
 from pagedserve.scheduler import SchedulerOutput
 
 # A divergence from HF is accepted only where HF's own best two tokens are this close (logprob).
@@ -172,6 +176,27 @@ class Reference:
     top2_gaps: list[float]
 
 
+@contextlib.contextmanager
+def hugging_face_linears(model: torch.nn.Module) -> Iterator[None]:
+    """The model with `nn.Linear` where the loader put a `SkinnyLinear` (same weights), so that a
+    reference is Hugging Face's computation alone; the skinny modules come back afterwards."""
+    originals: dict[int, SkinnyLinear] = {}
+
+    def to_linear(name: str, child: torch.nn.Module) -> torch.nn.Module | None:
+        if not isinstance(child, SkinnyLinear):
+            return None
+        linear = torch.nn.Linear(child.in_features, child.out_features, bias=False)
+        linear.weight, linear.bias = child.weight, child.bias
+        originals[id(linear)] = child
+        return linear
+
+    swap_children(model, to_linear)
+    try:
+        yield
+    finally:
+        swap_children(model, lambda name, child: originals.get(id(child)))
+
+
 def hf_greedy_reference(
     model: torch.nn.Module,
     prompt_token_ids: list[int],
@@ -196,7 +221,7 @@ def hf_greedy_reference(
         return_dict_in_generate=True,
     )
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), hugging_face_linears(model):
             input_ids = torch.tensor([prompt_token_ids])
             out = model.generate(
                 input_ids,

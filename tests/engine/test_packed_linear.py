@@ -57,4 +57,5 @@ def test_the_loader_packs_a_bfloat16_model_and_leaves_float32_alone(default_mode
     assert isinstance(bf16.model.layers[0].self_attn.q_proj, PackedLinear)
     assert isinstance(bf16.model.layers[0].mlp.gate_up_proj, PackedLinear)  # fused, then packed
     fp32 = load_model(ModelConfig(model=DEFAULT_MODEL, dtype="float32"), "cpu").model
-    assert type(fp32.lm_head) is nn.Linear
+    assert not any(isinstance(m, PackedLinear) for m in fp32.modules())
+    assert type(fp32.model.layers[0].self_attn.q_proj) is nn.Linear

@@ -570,9 +570,11 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   return output;
 }
 
-// rms_norm.cpp and silu_mul.cpp, built into the same extension (one build per ISA, one load).
+// rms_norm.cpp, silu_mul.cpp and skinny_linear.cpp, built into the same extension (one build per
+// ISA, one load).
 torch::Tensor rms_norm_bf16(const torch::Tensor& input, const torch::Tensor& weight, double eps);
 torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
+torch::Tensor skinny_linear_fp32(const torch::Tensor& input, const torch::Tensor& weight);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vector_lanes") = kLanes;  // what the build targets: 16 (AVX-512) or 8 (AVX2)
@@ -586,4 +588,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Hugging Face's LlamaRMSNorm of bfloat16 rows in one pass (rms_norm.cpp)");
   m.def("silu_mul_bf16", &silu_mul_bf16, py::arg("gate_up"),
         "SiLU(gate) * up of bfloat16 [..., 2 * I] rows, as LlamaMLP rounds it (silu_mul.cpp)");
+  m.def("skinny_linear_fp32", &skinny_linear_fp32, py::arg("input"), py::arg("weight"),
+        "float32 input @ weight.T for at most 16 rows, weights streamed once (skinny_linear.cpp)");
 }

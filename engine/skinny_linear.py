@@ -1,0 +1,106 @@
+"""The float32 LM head on CPU: decode-sized batches (2-12 rows) through the C++ kernel in
+cache/attention/csrc/skinny_linear.cpp, everything else through `F.linear` as before.
+
+At decode time the head multiplies a handful of rows (one per sequence sampled) by the largest
+matrix of a small model (49,152 x 576 floats, 113 MB, a fifth of the default model's weights), so
+it should cost what reading that weight costs. MKL (behind `F.linear` in float32) manages that
+for one row (4.2 ms), but its GEMM path took 8.9 / 14.7 / 21.8 ms for 4 / 8 / 12 rows; the kernel,
+streaming the weight once for all the rows, 6.0 / 8.2 / 10.4 ms (1.5x / 1.8x / 2.1x; two threads,
+Sapphire Rapids; `benchmarks/linear.py --dtype float32`). A decode step at batch 4-8 is ~5% faster.
+
+The head only, on purpose. The kernel sums in another order than MKL (float32 rounding apart), and
+upstream of the head such a difference reaches the K/V cache, where an fp8 cache's 3-bit mantissa
+turns it into a different token (measured: tests/engine/test_kv_cache_dtype.py failed with the
+kernel on every linear). Past the head only the argmax and the logprobs see it, as they see
+batching, and the float32 greedy equality tests with Hugging Face's `generate` still hold. On the
+other layers the kernel was at best 1.5x MKL (q/k/v/o at 4-8 rows) and even elsewhere. The module
+keeps the same weight Parameter (a tied head stays tied, the state dict is unchanged).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pagedserve.engine.module_swap import swap_children
+
+logger = logging.getLogger(__name__)
+
+# Rows at which the kernel beat MKL on every weight shape of the default model (2 cores, AVX-512);
+# one row is MKL's GEMV, at the memory bound already.
+MIN_ROWS, MAX_ROWS = 2, 12
+
+
+class SkinnyLinear(nn.Module):
+    """An LM head (`nn.Linear`) whose float32 forward at 2-12 rows is the C++ skinny kernel."""
+
+    def __init__(self, linear: nn.Linear, kernel: ModuleType) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same Parameter: ties and the state dict unchanged
+        self.bias = linear.bias
+        self._kernel = kernel
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.numel() // self.in_features if self.in_features else 0
+        if not MIN_ROWS <= rows <= MAX_ROWS or x.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        output = self._kernel.skinny_linear_fp32(x, self.weight)
+        return output if self.bias is None else output + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, skinny=C++"
+
+
+def can_use_skinny_linears(model: nn.Module) -> bool:
+    """float32 CPU models (bfloat16 ones pack their weights for oneDNN instead)."""
+    parameter = next(model.parameters(), None)
+    return (
+        parameter is not None
+        and parameter.device.type == "cpu"
+        and parameter.dtype == torch.float32
+    )
+
+
+def use_skinny_linears(model: nn.Module, kernel: ModuleType | None = None) -> int:
+    """Swap the LM head of a float32 CPU model for a `SkinnyLinear`; returns 1 if it was, else 0.
+
+    `kernel` defaults to the host's CPU extension build; if it cannot be built the model keeps
+    its head, with a warning. A head whose kernel output is not within float32 rounding of
+    `F.linear` on a probe input is left as it is (and logged).
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return 0
+    if kernel is None:
+        from pagedserve.cache.attention.cpu import load_cpu_kernel
+
+        try:
+            kernel = load_cpu_kernel()
+        except RuntimeError as error:  # no compiler, or the build failed: still correct without
+            logger.warning("the float32 LM head left on MKL: %s", error)
+            return 0
+    skinny = SkinnyLinear(head, kernel)
+    if not _close_to_linear(head, skinny):
+        logger.warning("the skinny kernel disagrees with the LM head; left on MKL")
+        return 0
+
+    def swap(name: str, child: nn.Module) -> SkinnyLinear | None:
+        return skinny if child is head else None
+
+    return swap_children(model, swap)
+
+
+@torch.inference_mode()
+def _close_to_linear(linear: nn.Linear, skinny: SkinnyLinear) -> bool:
+    probe = torch.randn(MAX_ROWS, linear.in_features, generator=torch.Generator().manual_seed(0))
+    expected, got = linear(probe), skinny(probe)
+    # float32 sums of in_features products in another order: a few ulps of the summed magnitude.
+    scale = probe.abs() @ linear.weight.abs().T
+    if linear.bias is not None:
+        scale = scale + linear.bias.abs()
+    return bool(((got - expected).abs() <= 1e-5 * scale + 1e-30).all())

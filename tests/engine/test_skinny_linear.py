@@ -1,0 +1,102 @@
+"""The float32 skinny linear kernel: within float32 rounding of `F.linear` at every row count it
+takes, on every ISA build the host runs, for K that ends in a partial vector and odd N; the module
+sends one row and prefill chunks to `F.linear` unchanged and keeps the weight Parameter (a tied
+head stays tied); the loader swaps the LM head of float32 models only, and references run HF's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.cache.attention.cpu import host_runnable_isas, load_cpu_kernel
+from pagedserve.engine.skinny_linear import (
+    MAX_ROWS,
+    MIN_ROWS,
+    SkinnyLinear,
+    can_use_skinny_linears,
+    use_skinny_linears,
+)
+from tests.engine.conftest import hugging_face_linears, make_tiny_model
+
+
+def assert_float32_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    expected = F.linear(x, weight)
+    scale = x.abs().reshape(-1, x.shape[-1]) @ weight.abs().T  # the summed magnitudes
+    assert got.shape == expected.shape
+    assert ((got - expected).abs().reshape(scale.shape) <= 1e-5 * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("isa", host_runnable_isas())
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 12, 16])
+@pytest.mark.parametrize("shape", [(576, 576), (193, 576), (31, 1536), (70, 37)])
+def test_the_kernel_matches_f_linear_to_float32_rounding(isa, rows, shape):
+    generator = torch.Generator().manual_seed(rows * 1000 + shape[0])
+    weight = torch.randn(shape, generator=generator)
+    x = torch.randn(rows, shape[1], generator=generator)
+    assert_float32_close(load_cpu_kernel(isa).skinny_linear_fp32(x, weight), x, weight)
+
+
+def test_the_kernel_keeps_leading_dimensions_reads_views_and_refuses_what_it_cannot_do():
+    kernel = load_cpu_kernel()
+    weight = torch.randn(40, 64)
+    x = torch.randn(1, 3, 64)
+    assert_float32_close(kernel.skinny_linear_fp32(x, weight), x, weight)
+    transposed = torch.randn(64, 5).T  # not contiguous
+    assert_float32_close(kernel.skinny_linear_fp32(transposed, weight), transposed, weight)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        kernel.skinny_linear_fp32(torch.randn(17, 64), weight)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.skinny_linear_fp32(x.to(torch.bfloat16), weight)
+    with pytest.raises(RuntimeError, match="last dimension"):
+        kernel.skinny_linear_fp32(torch.randn(2, 63), weight)
+
+
+def test_the_module_uses_the_kernel_only_for_decode_sized_batches(monkeypatch):
+    linear = nn.Linear(64, 48)
+    skinny = SkinnyLinear(linear, load_cpu_kernel())
+    assert skinny.weight is linear.weight and skinny.bias is linear.bias
+    calls: list[int] = []
+    kernel = skinny._kernel
+
+    class Counting:
+        def skinny_linear_fp32(self, x, weight):
+            calls.append(x.numel() // x.shape[-1])
+            return kernel.skinny_linear_fp32(x, weight)
+
+    skinny._kernel = Counting()
+    with torch.inference_mode():
+        for rows in (1, MIN_ROWS, MAX_ROWS, MAX_ROWS + 1, 300):
+            x = torch.randn(rows, 64)
+            expected = linear(x)
+            got = skinny(x)
+            if MIN_ROWS <= rows <= MAX_ROWS:
+                assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(got, expected)  # F.linear itself: the same bits
+    assert calls == [MIN_ROWS, MAX_ROWS]
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2-gqa"])
+def test_only_the_lm_head_of_a_float32_model_is_swapped_and_ties_stay(family, default_tokenizer):
+    model = make_tiny_model(family, default_tokenizer).model
+    num_linears = sum(type(m) is nn.Linear for m in model.modules())
+    head_weight = model.lm_head.weight
+    assert can_use_skinny_linears(model)
+    assert use_skinny_linears(model) == 1
+    assert isinstance(model.lm_head, SkinnyLinear) and model.lm_head.weight is head_weight
+    assert sum(type(m) is nn.Linear for m in model.modules()) == num_linears - 1
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert use_skinny_linears(model) == 0  # already swapped: nothing left to do
+    assert not can_use_skinny_linears(model.to(torch.bfloat16))
+
+
+def test_a_reference_runs_hugging_faces_head_and_the_skinny_one_comes_back(default_tokenizer):
+    model = make_tiny_model("llama-gqa", default_tokenizer).model
+    use_skinny_linears(model)
+    skinny_head = model.lm_head
+    with hugging_face_linears(model):
+        assert type(model.lm_head) is nn.Linear and model.lm_head.weight is skinny_head.weight
+    assert model.lm_head is skinny_head
