@@ -21,33 +21,26 @@ that is all it changes, as engine/fused_norm.py does:
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 from types import ModuleType
 
 import torch
 from torch import Tensor, nn
+from transformers.models.llama.modeling_llama import LlamaMLP
 
-from pagedserve.engine.module_swap import is_bfloat16_cpu_model, swap_children
+from pagedserve.engine.module_swap import (
+    cpu_kernel_or_none,
+    has_forward_of,
+    is_bfloat16_cpu_model,
+    swap_children,
+)
 
 logger = logging.getLogger(__name__)
 
 
-@functools.cache
-def _llama_mlp_source() -> str:
-    from transformers.models.llama.modeling_llama import LlamaMLP
-
-    return inspect.getsource(LlamaMLP.forward)
-
-
-@functools.cache
 def computes_llama_mlp(cls: type) -> bool:
     """Whether `cls.forward` is Hugging Face's LlamaMLP formula, word for word."""
-    try:
-        return inspect.getsource(cls.forward) == _llama_mlp_source()
-    except (OSError, TypeError):  # no source to compare: not ours to replace
-        return False
+    return has_forward_of(cls, LlamaMLP)
 
 
 def _is_silu(activation: nn.Module) -> bool:
@@ -93,14 +86,9 @@ def fuse_mlps(model: nn.Module, kernel: ModuleType | None = None) -> int:
     Run before `pack_linears`, which then packs the concatenated weight. `kernel` defaults to the
     host's CPU extension build; if it cannot be built the model keeps its modules, with a warning.
     """
+    kernel = kernel or cpu_kernel_or_none("MLP left unfused")
     if kernel is None:
-        from pagedserve.cache.attention.cpu import load_cpu_kernel
-
-        try:
-            kernel = load_cpu_kernel()
-        except RuntimeError as error:  # no compiler, or the build failed: still correct without
-            logger.warning("MLP left unfused: %s", error)
-            return 0
+        return 0
 
     def fuse(name: str, child: nn.Module) -> FusedMLP | None:
         if not computes_llama_mlp(type(child)) or not _is_silu(child.act_fn):

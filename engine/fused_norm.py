@@ -26,33 +26,26 @@ So it is swapped only where that is all it changes:
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 from types import ModuleType
 
 import torch
 from torch import Tensor, nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from pagedserve.engine.module_swap import is_bfloat16_cpu_model, swap_children
+from pagedserve.engine.module_swap import (
+    cpu_kernel_or_none,
+    has_forward_of,
+    is_bfloat16_cpu_model,
+    swap_children,
+)
 
 logger = logging.getLogger(__name__)
 
 
-@functools.cache
-def _llama_rms_norm_source() -> str:
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    return inspect.getsource(LlamaRMSNorm.forward)
-
-
-@functools.cache
 def computes_llama_rms_norm(cls: type) -> bool:
     """Whether `cls.forward` is Hugging Face's LlamaRMSNorm formula, word for word."""
-    try:
-        return inspect.getsource(cls.forward) == _llama_rms_norm_source()
-    except (OSError, TypeError):  # no source to compare: not ours to replace
-        return False
+    return has_forward_of(cls, LlamaRMSNorm)
 
 
 class FusedRMSNorm(nn.Module):
@@ -82,14 +75,9 @@ def fuse_rms_norms(model: nn.Module, kernel: ModuleType | None = None) -> int:
     `kernel` defaults to the host's CPU extension build (built on first use); if it cannot be
     built the model keeps its modules, with a warning.
     """
+    kernel = kernel or cpu_kernel_or_none("RMSNorm left unfused")
     if kernel is None:
-        from pagedserve.cache.attention.cpu import load_cpu_kernel
-
-        try:
-            kernel = load_cpu_kernel()
-        except RuntimeError as error:  # no compiler, or the build failed: still correct without
-            logger.warning("RMSNorm left unfused: %s", error)
-            return 0
+        return 0
 
     def fuse(name: str, child: nn.Module) -> FusedRMSNorm | None:
         if not computes_llama_rms_norm(type(child)) or child.weight.dtype != torch.bfloat16:

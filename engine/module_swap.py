@@ -1,21 +1,51 @@
-"""Replace submodules of a loaded Hugging Face model in place (the model classes stay HF's)."""
+"""Replace submodules of a loaded Hugging Face model in place (the model classes stay HF's), and
+the checks every such swap makes: which models it applies to, whether a module computes the
+formula a replacement was written for, and the CPU extension the replacements call."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from torch import nn
 
+logger = logging.getLogger(__name__)
+
+
+def is_cpu_model(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the model's (first) parameters are `dtype` on the CPU: where a swap applies."""
+    parameter = next(model.parameters(), None)
+    return parameter is not None and parameter.device.type == "cpu" and parameter.dtype == dtype
+
 
 def is_bfloat16_cpu_model(model: nn.Module) -> bool:
-    """Whether the model's (first) parameters are bfloat16 on the CPU: where the swaps apply."""
-    parameter = next(model.parameters(), None)
-    return (
-        parameter is not None
-        and parameter.device.type == "cpu"
-        and parameter.dtype == torch.bfloat16
-    )
+    return is_cpu_model(model, torch.bfloat16)
+
+
+@functools.cache
+def has_forward_of(cls: type, reference: type) -> bool:
+    """Whether `cls.forward` is, to the character, `reference.forward` (so it computes the formula
+    a replacement for `reference` was written and checked against)."""
+    try:
+        return inspect.getsource(cls.forward) == inspect.getsource(reference.forward)
+    except (OSError, TypeError):  # no source to compare: not ours to replace
+        return False
+
+
+def cpu_kernel_or_none(purpose: str) -> ModuleType | None:
+    """The host's CPU extension build (built on first use), or None with a warning if it cannot
+    be built: a model without its swaps is slower, never wrong."""
+    from pagedserve.cache.attention.cpu import load_cpu_kernel
+
+    try:
+        return load_cpu_kernel()
+    except RuntimeError as error:  # no compiler, or the build failed
+        logger.warning("%s: %s", purpose, error)
+        return None
 
 
 def swap_children(model: nn.Module, replace: Callable[[str, nn.Module], nn.Module | None]) -> int:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedserve.engine.module_swap import swap_children
+from pagedserve.engine.module_swap import cpu_kernel_or_none, is_cpu_model, swap_children
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +58,7 @@ class SkinnyLinear(nn.Module):
 
 def can_use_skinny_linears(model: nn.Module) -> bool:
     """float32 CPU models (bfloat16 ones pack their weights for oneDNN instead)."""
-    parameter = next(model.parameters(), None)
-    return (
-        parameter is not None
-        and parameter.device.type == "cpu"
-        and parameter.dtype == torch.float32
-    )
+    return is_cpu_model(model, torch.float32)
 
 
 def use_skinny_linears(model: nn.Module, kernel: ModuleType | None = None) -> int:
@@ -76,14 +71,9 @@ def use_skinny_linears(model: nn.Module, kernel: ModuleType | None = None) -> in
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
         return 0
+    kernel = kernel or cpu_kernel_or_none("the float32 LM head left on MKL")
     if kernel is None:
-        from pagedserve.cache.attention.cpu import load_cpu_kernel
-
-        try:
-            kernel = load_cpu_kernel()
-        except RuntimeError as error:  # no compiler, or the build failed: still correct without
-            logger.warning("the float32 LM head left on MKL: %s", error)
-            return 0
+        return 0
     skinny = SkinnyLinear(head, kernel)
     if not _close_to_linear(head, skinny):
         logger.warning("the skinny kernel disagrees with the LM head; left on MKL")

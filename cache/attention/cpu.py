@@ -37,6 +37,7 @@ _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in ("paged_attention.cpp", "rms_norm.cpp", "silu_mul.cpp", "skinny_linear.cpp")
 )
+_HEADERS = (Path(__file__).parent / "csrc" / "bfloat16_bits.h",)  # part of the build key too
 # -Wno-psabi: GCC notes the ABI of wide vector returns; they never leave the file.
 # Tuples: torch appends its own libraries to the flag lists it is given, and a module-level list
 # that grew would change the build's hash, so every later load in the process would rebuild.
@@ -100,7 +101,7 @@ def _build_key(isa: str, cflags: list[str]) -> str:
     """What the built extension depends on: a change to any of it builds a fresh copy."""
     digest = hashlib.sha256()
     for part in (
-        *(source.read_bytes() for source in _SOURCES),
+        *(source.read_bytes() for source in (*_SOURCES, *_HEADERS)),
         torch.__version__.encode(),
         # Each torch install writes its own include paths into build.ninja: two venvs sharing one
         # build directory would rebuild it back and forth.

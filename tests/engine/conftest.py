@@ -176,6 +176,21 @@ class Reference:
     top2_gaps: list[float]
 
 
+def mean_logit_errors(
+    models: dict[str, torch.nn.Module], reference: torch.nn.Module, tokenizer
+) -> dict[str, float]:
+    """Per model, the mean absolute difference of its logits from `reference`'s on one real
+    prompt (how close a bfloat16 variant stays to the float32 model)."""
+    text = "The block table maps each logical block of a request to a physical block. " * 6
+    input_ids = torch.tensor([tokenizer.encode(text)])
+    with torch.inference_mode():
+        expected = reference(input_ids).logits
+        return {
+            name: (model(input_ids).logits.float() - expected).abs().mean().item()
+            for name, model in models.items()
+        }
+
+
 @contextlib.contextmanager
 def hugging_face_linears(model: torch.nn.Module) -> Iterator[None]:
     """The model with `nn.Linear` where the loader put a `SkinnyLinear` (same weights), so that a

@@ -23,7 +23,7 @@ from pagedserve.engine.fused_norm import (
     fuse_rms_norms,
 )
 from pagedserve.engine.model_loader import load_model
-from tests.engine.conftest import make_tiny_model
+from tests.engine.conftest import make_tiny_model, mean_logit_errors
 
 SHAPES = [(1, 576), (64, 576), (2, 7, 576), (3, 4, 64), (5, 1536)]  # rows, batches, q/k norms
 
@@ -97,12 +97,5 @@ def test_the_loader_fuses_bfloat16_as_close_to_float32_as_the_module_and_leaves_
                 norm = LlamaRMSNorm(child.weight.shape[0], child.variance_epsilon)
                 norm.weight = child.weight
                 setattr(parent, name, norm)
-    text = "The block table maps each logical block of a request to a physical block. " * 6
-    input_ids = torch.tensor([default_tokenizer.encode(text)])
-    with torch.inference_mode():
-        expected = reference(input_ids).logits
-        errors = {
-            name: (model(input_ids).logits.float() - expected).abs().mean().item()
-            for name, model in (("fused", fused), ("module", plain))
-        }
+    errors = mean_logit_errors({"fused": fused, "module": plain}, reference, default_tokenizer)
     assert errors["fused"] <= 1.15 * errors["module"], errors

@@ -34,7 +34,10 @@ def test_wheel_has_one_top_level_package(wheel):
     assert {entry for entry in top_level if not entry.endswith(".dist-info")} == {"pagedserve"}
     for layer in LAYERS:
         assert f"pagedserve/{layer}/__init__.py" in names
-    assert "pagedserve/cache/attention/csrc/paged_attention.cpp" in names
+    from pagedserve.cache.attention.cpu import _HEADERS, _SOURCES
+
+    for source in (*_SOURCES, *_HEADERS):  # everything the kernel build reads
+        assert f"pagedserve/cache/attention/csrc/{source.name}" in names
     assert any(name.startswith("pagedserve/configs/presets/") for name in names)
     for name in (
         "dashboard.html",

@@ -18,28 +18,11 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
-namespace {
+#include "bfloat16_bits.h"
 
-// c10's BFloat16 conversions are the same arithmetic, but GCC leaves loops of them scalar (4-5x
-// slower here); these two vectorise.
-inline float bf16_bits_to_float(uint16_t bits) {
-  const uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &word, sizeof(value));
-  return value;
-}
-
-inline uint16_t float_to_bf16_bits(float value) {  // round to nearest even, NaN stays NaN
-  uint32_t word;
-  std::memcpy(&word, &value, sizeof(word));
-  if (std::isnan(value)) return 0x7FC0;
-  word += 0x7FFF + ((word >> 16) & 1);
-  return static_cast<uint16_t>(word >> 16);
-}
-
-}  // namespace
+using pagedserve::bf16_to_float;
+using pagedserve::float_to_bf16;
 
 torch::Tensor rms_norm_bf16(const torch::Tensor& input, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(input.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16,
@@ -61,16 +44,16 @@ torch::Tensor rms_norm_bf16(const torch::Tensor& input, const torch::Tensor& wei
       float sum_of_squares = 0.0f;
 #pragma omp simd reduction(+ : sum_of_squares)
       for (int64_t i = 0; i < size; ++i) {
-        const float value = bf16_bits_to_float(row[i]);
+        const float value = bf16_to_float(row[i]);
         sum_of_squares += value * value;
       }
       const float inverse_rms = 1.0f / std::sqrt(sum_of_squares / size + epsilon);
       uint16_t* out = dst + r * size;
 #pragma omp simd
       for (int64_t i = 0; i < size; ++i) {
-        const float scaled = bf16_bits_to_float(row[i]) * inverse_rms;
-        const float normed = bf16_bits_to_float(float_to_bf16_bits(scaled));  // HF: .to(bf16)
-        out[i] = float_to_bf16_bits(bf16_bits_to_float(gamma[i]) * normed);
+        const float scaled = bf16_to_float(row[i]) * inverse_rms;
+        const float normed = bf16_to_float(float_to_bf16(scaled));  // HF: .to(bf16)
+        out[i] = float_to_bf16(bf16_to_float(gamma[i]) * normed);
       }
     }
   });

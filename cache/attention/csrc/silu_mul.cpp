@@ -15,29 +15,14 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "bfloat16_bits.h"
 
 namespace {
 
-inline float bits_to_float(uint32_t word) {
-  float value;
-  std::memcpy(&value, &word, sizeof(value));
-  return value;
-}
-
-inline uint32_t float_to_bits(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, sizeof(word));
-  return word;
-}
-
-inline float bf16_to_float(uint16_t bits) { return bits_to_float(static_cast<uint32_t>(bits) << 16); }
-
-inline uint16_t float_to_bf16(float value) {  // round to nearest even, NaN stays NaN
-  const uint32_t word = float_to_bits(value);
-  const uint32_t rounded = (word + 0x7FFF + ((word >> 16) & 1)) >> 16;
-  return value != value ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
-}
+using pagedserve::bf16_to_float;
+using pagedserve::bits_to_float;
+using pagedserve::float_to_bf16;
 
 // e^x for x <= 0: the attention kernel's exp_nonpositive, one lane, extended into the subnormals
 // as ATen's SiLU, x / (1 + e^-x), is: it keeps tiny values down to x = -ln(FLT_MAX) = -88.72,
