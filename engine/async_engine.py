@@ -36,6 +36,11 @@ _IDLE_WAIT_S = 0.5  # how long an idle engine thread blocks on its command queue
 _STATE_TIMEOUT_S = 30.0  # a snapshot waits for at most the step in progress; this is a backstop
 
 
+def _engine_attribute(name: str) -> property:
+    """A read-only attribute of the running `LLMEngine` (EngineDeadError before it is built)."""
+    return property(lambda self: getattr(self._engine, name), doc=f"The engine's {name}.")
+
+
 class AsyncEngine:
     """Implements `engine.client.EngineClient` over a threaded `LLMEngine`."""
 
@@ -53,31 +58,16 @@ class AsyncEngine:
         self._dead_reason: str | None = None
         self._pending_states: set[asyncio.Future[RawEngineState]] = set()
 
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(config)
-
     # ---- EngineClient surface --------------------------------------------------------------
 
-    @property
-    def model_name(self) -> str:
-        return self._engine.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self._engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self._engine.vocab_size
+    model_name = _engine_attribute("model_name")
+    max_model_len = _engine_attribute("max_model_len")
+    vocab_size = _engine_attribute("vocab_size")
+    tokenizer = _engine_attribute("tokenizer")
 
     @property
     def max_waiting_requests(self) -> int:
         return self.config.scheduler.max_waiting_requests
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._engine.tokenizer
 
     @property
     def _engine(self) -> LLMEngine:
@@ -91,19 +81,13 @@ class AsyncEngine:
 
     async def start(self) -> None:
         """Start the engine thread: it loads the model (the event loop stays free), then steps.
-
-        Loading and stepping happen on the same thread on purpose. OpenMP (torch's intra-op
-        pool) keeps one team of worker threads per thread that ever ran a parallel region, and
-        once it manages more threads than there are CPUs, libgomp stops spinning between
-        regions and parks its workers on a futex. A model loaded on one thread and run on
-        another leaves two teams: each of the ~200 parallel regions of a decode step then pays a
-        wake-up, and a step takes about twice as long as offline (52.6 ms against 27.9 ms at
-        batch 1 on 2 cores, bfloat16; see benchmarks/RESULTS.md)."""
+        One thread for both on purpose: OpenMP keeps a team of workers per thread that ran a
+        parallel region, and with two teams (more threads than CPUs) libgomp parks its workers
+        between regions, so every step ran ~2x slower (52.6 vs 27.9 ms; benchmarks/RESULTS.md)."""
         self._loop = asyncio.get_running_loop()
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._thread = threading.Thread(
-            target=self._run, args=(ready,), name="pagedserve-engine", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="pagedserve-engine")
+        self._thread.daemon = True
         self._thread.start()
         await asyncio.wrap_future(ready)  # a load that failed raises here
 
@@ -186,39 +170,24 @@ class AsyncEngine:
         return build_engine_state(raw)
 
     def drain_step_token_counts(self) -> list[int]:
-        counts = self.engine.step_token_counts if self.engine is not None else None
-        drained = []
-        while counts:
-            drained.append(counts.popleft())  # deque pops are atomic: safe across threads
-        return drained
+        return _drain(self.engine.step_token_counts if self.engine is not None else None)
 
     def drain_grammar_mask_times(self) -> list[float]:
-        times = self.engine.structured.mask_times_s if self.engine is not None else None
-        drained = []
-        while times:
-            drained.append(times.popleft())
-        return drained
+        return _drain(self.engine.structured.mask_times_s if self.engine is not None else None)
 
     # ---- the engine thread -----------------------------------------------------------------
 
-    def _load(self, ready: concurrent.futures.Future[None]) -> LLMEngine | None:
-        """On the engine thread: build the engine unless one was given, then read the grammar
-        vocabulary. Reports to `ready`; None if it failed (the error went there)."""
-        try:
+    def _run(self, ready: concurrent.futures.Future[None]) -> None:
+        try:  # build the engine unless one was given, then read the grammar vocabulary
             if self.engine is None:
                 self.engine = LLMEngine(self.config)
-            self.engine.structured.compiler.prepare()
+            engine = self.engine
+            engine.structured.compiler.prepare()
         except BaseException as error:  # noqa: BLE001 - handed to start(), which raises it
             self._dead_reason = f"the engine failed to start: {type(error).__name__}"
             ready.set_exception(error)
-            return None
-        ready.set_result(None)
-        return self.engine
-
-    def _run(self, ready: concurrent.futures.Future[None]) -> None:
-        engine = self._load(ready)
-        if engine is None:
             return
+        ready.set_result(None)
         try:
             while not self._stopping.is_set() or engine.has_unfinished_requests():
                 deltas = self._apply_commands(block=not engine.has_unfinished_requests())
@@ -311,6 +280,13 @@ class AsyncEngine:
             stream.put_nowait(error)
         for future in self._pending_states:
             _settle(future, error)
+
+
+def _drain(items: Any) -> list[Any]:
+    drained = []
+    while items:
+        drained.append(items.popleft())  # deque pops are atomic: safe across threads
+    return drained
 
 
 def _settle(future: asyncio.Future[Any], result: Any) -> None:

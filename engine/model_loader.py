@@ -188,14 +188,7 @@ def load_model(
         local_files_only=True,
     )
     model.to(device).eval()
-    if can_fuse_mlps(model):  # bfloat16 on the CPU: [gate; up] in one matmul, SiLU-and-mul in C++
-        logger.info("fused %d bfloat16 MLP layers", fuse_mlps(model))
-    if can_pack(model):  # bfloat16 on a CPU with native bf16: oneDNN's layout, reordered once
-        logger.info("packed %d bfloat16 linear layers for oneDNN", pack_linears(model))
-    if can_fuse_norms(model):  # bfloat16 on the CPU: RMSNorm in one C++ pass
-        logger.info("fused %d bfloat16 RMSNorm layers", fuse_rms_norms(model))
-    if can_use_skinny_linears(model) and use_skinny_linears(model):  # float32 CPU: the LM head
-        logger.info("the float32 LM head runs 2-12 rows through the skinny kernel")
+    swap_cpu_modules(model)
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_path, trust_remote_code=model_config.trust_remote_code, local_files_only=True
     )
@@ -209,6 +202,19 @@ def load_model(
         max_model_len,
     )
     return LoadedModel(model, tokenizer, model.config, model_path, max_model_len)
+
+
+def swap_cpu_modules(model: torch.nn.Module) -> None:
+    """Swap in the CPU fast paths that apply to this model (each checks its own dtype and
+    eligibility; the model classes stay Hugging Face's)."""
+    if can_fuse_mlps(model):  # bfloat16 on the CPU: [gate; up] in one matmul, SiLU-and-mul in C++
+        logger.info("fused %d bfloat16 MLP layers", fuse_mlps(model))
+    if can_pack(model):  # bfloat16 on a CPU with native bf16: oneDNN's layout, reordered once
+        logger.info("packed %d bfloat16 linear layers for oneDNN", pack_linears(model))
+    if can_fuse_norms(model):  # bfloat16 on the CPU: RMSNorm in one C++ pass
+        logger.info("fused %d bfloat16 RMSNorm layers", fuse_rms_norms(model))
+    if can_use_skinny_linears(model) and use_skinny_linears(model):  # float32 CPU: the LM head
+        logger.info("the float32 LM head runs 2-12 rows through the skinny kernel")
 
 
 def _max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:

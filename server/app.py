@@ -37,7 +37,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Imported here so that apps built around a fake engine (tests) never import torch.
         from pagedserve.engine.async_engine import AsyncEngine
 
-        app.state.engine = AsyncEngine.from_config(app.state.config)
+        app.state.engine = AsyncEngine(app.state.config)
     engine: EngineClient = app.state.engine
     await engine.start()
     app.state.metrics = ServerMetrics(

@@ -34,6 +34,7 @@ from pagedserve.engine.model_loader import (
     resolve_dtype,
     resolve_model_path,
 )
+from tests.engine.conftest import hugging_face_linears
 
 
 @pytest.fixture(scope="session")
@@ -234,5 +235,6 @@ def test_converted_model_logits_equal_the_gguf_model(converted_cache, monkeypatc
     )
     loaded = load_model(ModelConfig(dtype="float32"), "cpu")
     input_ids = loaded.tokenizer("The capital of France is", return_tensors="pt").input_ids
-    with torch.inference_mode():
+    # Hugging Face's own modules on both sides: this checks the weights, not our fast paths.
+    with torch.inference_mode(), hugging_face_linears(loaded.model):
         assert torch.equal(reference(input_ids).logits, loaded.model(input_ids).logits)
