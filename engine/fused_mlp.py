@@ -23,7 +23,6 @@ that is all it changes, as engine/fused_norm.py does:
 
 from __future__ import annotations
 
-import logging
 from types import ModuleType
 
 import torch
@@ -34,10 +33,8 @@ from pagedserve.engine.module_swap import (
     cpu_kernel_or_none,
     has_forward_of,
     is_bfloat16_cpu_model,
-    swap_children,
+    swap_verified,
 )
-
-logger = logging.getLogger(__name__)
 
 
 def computes_llama_mlp(cls: type) -> bool:
@@ -92,18 +89,14 @@ def fuse_mlps(model: nn.Module, kernel: ModuleType | None = None) -> int:
     if kernel is None:
         return 0
 
-    def fuse(name: str, child: nn.Module) -> FusedMLP | None:
+    def fused(child: nn.Module) -> FusedMLP | None:
         if not computes_llama_mlp(type(child)) or not _is_silu(child.act_fn):
             return None
         if child.gate_proj.weight.dtype != torch.bfloat16:
             return None
-        fused = FusedMLP(child, kernel)
-        if not _same_intermediate(child, fused):
-            logger.warning("the fused MLP disagrees with %s; left as it is", name)
-            return None
-        return fused
+        return FusedMLP(child, kernel)
 
-    return swap_children(model, fuse)
+    return swap_verified(model, fused, _same_intermediate, "the fused MLP")
 
 
 # Two bfloat16 ulps, relative (8 significant bits): one from a flipped SiLU rounding, one more

@@ -26,7 +26,6 @@ So it is swapped only where that is all it changes:
 
 from __future__ import annotations
 
-import logging
 from types import ModuleType
 
 import torch
@@ -37,10 +36,8 @@ from pagedserve.engine.module_swap import (
     cpu_kernel_or_none,
     has_forward_of,
     is_bfloat16_cpu_model,
-    swap_children,
+    swap_verified,
 )
-
-logger = logging.getLogger(__name__)
 
 
 def computes_llama_rms_norm(cls: type) -> bool:
@@ -79,16 +76,12 @@ def fuse_rms_norms(model: nn.Module, kernel: ModuleType | None = None) -> int:
     if kernel is None:
         return 0
 
-    def fuse(name: str, child: nn.Module) -> FusedRMSNorm | None:
+    def fused(child: nn.Module) -> FusedRMSNorm | None:
         if not computes_llama_rms_norm(type(child)) or child.weight.dtype != torch.bfloat16:
             return None
-        fused = FusedRMSNorm(child, kernel)
-        if not _same_output(child, fused):
-            logger.warning("the fused RMSNorm disagrees with %s; left as it is", name)
-            return None
-        return fused
+        return FusedRMSNorm(child, kernel)
 
-    return swap_children(model, fuse)
+    return swap_verified(model, fused, _same_output, "the fused RMSNorm")
 
 
 # Two bfloat16 ulps, relative: the spacing at a value is at most 2^-7 of it (8 significant bits).

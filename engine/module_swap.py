@@ -48,6 +48,28 @@ def cpu_kernel_or_none(purpose: str) -> ModuleType | None:
         return None
 
 
+def swap_verified(
+    model: nn.Module,
+    replacement_for: Callable[[nn.Module], nn.Module | None],
+    agrees: Callable[[nn.Module, nn.Module], bool],
+    what: str,
+) -> int:
+    """Swap each submodule for `replacement_for(submodule)` (None: not eligible) where
+    `agrees(original, replacement)` holds on a probe; returns how many. A replacement that
+    disagrees is logged and the original kept: a swap may make a model faster, never different."""
+
+    def replace(name: str, child: nn.Module) -> nn.Module | None:
+        replacement = replacement_for(child)
+        if replacement is None:
+            return None
+        if not agrees(child, replacement):
+            logger.warning("%s disagrees with %s; left as it is", what, name)
+            return None
+        return replacement
+
+    return swap_children(model, replace)
+
+
 def swap_children(model: nn.Module, replace: Callable[[str, nn.Module], nn.Module | None]) -> int:
     """Set each submodule to `replace(name, submodule)` where that is not None; returns how many.
 

@@ -15,15 +15,11 @@ Face's: each `nn.Linear` is swapped for a module with the same call signature.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor, nn
 
 from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16
-from pagedserve.engine.module_swap import is_bfloat16_cpu_model, swap_children
-
-logger = logging.getLogger(__name__)
+from pagedserve.engine.module_swap import is_bfloat16_cpu_model, swap_verified
 
 
 class PackedLinear(nn.Module):
@@ -75,16 +71,12 @@ def pack_linears(model: nn.Module) -> int:
         for parameter in module.parameters(recurse=False)
     }
 
-    def pack(name: str, child: nn.Module) -> PackedLinear | None:
+    def packed(child: nn.Module) -> PackedLinear | None:
         if type(child) is not nn.Linear:
             return None
-        packed = PackedLinear(child, keep_weight=id(child.weight) in tied)
-        if not _same_output(child, packed):
-            logger.warning("oneDNN's packed %s differs from nn.Linear; left unpacked", name)
-            return None
-        return packed
+        return PackedLinear(child, keep_weight=id(child.weight) in tied)
 
-    return swap_children(model, pack)
+    return swap_verified(model, packed, _same_output, "oneDNN's packed linear")
 
 
 @torch.inference_mode()

@@ -19,16 +19,13 @@ keeps the same weight Parameter (a tied head stays tied, the state dict is uncha
 
 from __future__ import annotations
 
-import logging
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedserve.engine.module_swap import cpu_kernel_or_none, is_cpu_model, swap_children
-
-logger = logging.getLogger(__name__)
+from pagedserve.engine.module_swap import cpu_kernel_or_none, is_cpu_model, swap_verified
 
 # The head's rows where the kernel is at least even with MKL (2 rows: 0.98x; 4-12: 1.5-2.1x). At
 # one row MKL's GEMV is at the memory bound already, and at 16 its GEMM is as fast again (0.94x).
@@ -74,15 +71,11 @@ def use_skinny_linears(model: nn.Module, kernel: ModuleType | None = None) -> in
     kernel = kernel or cpu_kernel_or_none("the float32 LM head left on MKL")
     if kernel is None:
         return 0
-    skinny = SkinnyLinear(head, kernel)
-    if not _close_to_linear(head, skinny):
-        logger.warning("the skinny kernel disagrees with the LM head; left on MKL")
-        return 0
 
-    def swap(name: str, child: nn.Module) -> SkinnyLinear | None:
-        return skinny if child is head else None
+    def skinny(child: nn.Module) -> SkinnyLinear | None:
+        return SkinnyLinear(child, kernel) if child is head else None
 
-    return swap_children(model, swap)
+    return swap_verified(model, skinny, _close_to_linear, "the skinny kernel")
 
 
 @torch.inference_mode()
