@@ -32,7 +32,7 @@ from pagedserve.cache.cache_engine import TORCH_DTYPES
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 from pagedserve.engine.fused_mlp import can_fuse_mlps, fuse_mlps
 from pagedserve.engine.fused_norm import can_fuse_norms, fuse_rms_norms
-from pagedserve.engine.packed_linear import can_pack, pack_linears
+from pagedserve.engine.packed_linear import can_pack, can_pack_float32, pack_linears
 from pagedserve.engine.skinny_linear import can_use_skinny_linears, use_skinny_linears
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ def load_model(
         local_files_only=True,
     )
     model.to(device).eval()
-    swap_cpu_modules(model)
+    swap_cpu_modules(model, model_config.cpu_float32_linear)
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_path, trust_remote_code=model_config.trust_remote_code, local_files_only=True
     )
@@ -204,16 +204,19 @@ def load_model(
     return LoadedModel(model, tokenizer, model.config, model_path, max_model_len)
 
 
-def swap_cpu_modules(model: torch.nn.Module) -> None:
+def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> None:
     """Swap in the CPU fast paths that apply to this model (each checks its own dtype and
-    eligibility; the model classes stay Hugging Face's)."""
+    eligibility; the model classes stay Hugging Face's). `float32_linear` is the config's
+    `cpu_float32_linear`."""
     if can_fuse_mlps(model):  # bfloat16 on the CPU: [gate; up] in one matmul, SiLU-and-mul in C++
         logger.info("fused %d bfloat16 MLP layers", fuse_mlps(model))
     if can_pack(model):  # bfloat16 on a CPU with native bf16: oneDNN's layout, reordered once
         logger.info("packed %d bfloat16 linear layers for oneDNN", pack_linears(model))
     if can_fuse_norms(model):  # bfloat16 on the CPU: RMSNorm in one C++ pass
         logger.info("fused %d bfloat16 RMSNorm layers", fuse_rms_norms(model))
-    if can_use_skinny_linears(model) and use_skinny_linears(model):  # float32 CPU: the LM head
+    if can_pack_float32(model, float32_linear):  # float32 where MKL is slow: every linear, oneDNN
+        logger.info("packed %d float32 linear layers for oneDNN", pack_linears(model))
+    elif can_use_skinny_linears(model) and use_skinny_linears(model):  # float32: the LM head
         logger.info("the float32 LM head runs 2-12 rows through the skinny kernel")
 
 

@@ -48,6 +48,18 @@ def cpu_kernel_or_none(purpose: str) -> ModuleType | None:
         return None
 
 
+@torch.inference_mode()
+def within_float32_rounding(linear: nn.Linear, replacement: nn.Module, rows: int) -> bool:
+    """Whether `replacement` computes `linear` on a `rows`-row probe up to float32 rounding: its
+    sums of `in_features` products in another order, a few ulps of the summed magnitudes."""
+    probe = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(0))
+    expected, got = linear(probe), replacement(probe)
+    scale = probe.abs() @ linear.weight.abs().T
+    if linear.bias is not None:
+        scale = scale + linear.bias.abs()
+    return bool(((got - expected).abs() <= 1e-5 * scale + 1e-30).all())
+
+
 def swap_verified(
     model: nn.Module,
     replacement_for: Callable[[nn.Module], nn.Module | None],

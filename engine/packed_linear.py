@@ -1,25 +1,45 @@
-"""bfloat16 linear layers on CPU with their weights reordered once, at load, into oneDNN's layout.
+"""CPU linear layers with their weights reordered once, at load, into oneDNN's layout.
 
-`F.linear` on a bfloat16 CPU tensor hands oneDNN a plain row-major weight, which oneDNN reorders
-into its blocked (AMX / AVX512_BF16) layout on every call. `PackedLinear` does that reorder once
-and calls oneDNN's matmul on the packed weight: the same kernel, so the same bits, without the
-per-call copy. Measured on the default model's shapes, one thread, Sapphire Rapids: 1.5-4.4x
-faster at decode sizes (1-64 rows), 1.2-1.5x at prefill sizes (300-512 rows), outputs
-bit-identical (`benchmarks/linear.py`).
+bfloat16: `F.linear` on a bfloat16 CPU tensor hands oneDNN a plain row-major weight, which oneDNN
+reorders into its blocked (AMX / AVX512_BF16) layout on every call. `PackedLinear` does that
+reorder once and calls oneDNN's matmul on the packed weight: the same kernel, so the same bits,
+without the per-call copy. Measured on the default model's shapes, one thread, Sapphire Rapids:
+1.5-4.4x faster at decode sizes (1-64 rows), 1.2-1.5x at prefill sizes (300-512 rows), outputs
+bit-identical (`benchmarks/linear.py`). Only on CPUs with native bf16 dot products: without
+AVX512_BF16/AMX oneDNN emulates bf16.
 
-Only for bfloat16 on CPUs with native bf16 dot products: in float32 the packed path is not
-faster at every size here and accumulates in another order (it would break token equality with
-Hugging Face), and without AVX512_BF16/AMX oneDNN emulates bf16. The model classes stay Hugging
-Face's: each `nn.Linear` is swapped for a module with the same call signature.
+float32: `F.linear` is MKL's GEMM, which picks its kernels by CPU vendor. On Intel's CPUs it is as
+fast as oneDNN at these shapes (0.55-1.07x at 1-16 rows on Sapphire Rapids, so not packed there);
+on an AMD EPYC (Zen 5) oneDNN ran them 1.2-4.3x faster, even limited to AVX2 (the Zen 2 case).
+So `--cpu-float32-linear auto` packs float32 weights for oneDNN on x86 CPUs not made by Intel.
+oneDNN sums in another order than MKL: outputs agree to float32 rounding, not to the bit (`mkl`
+keeps Hugging Face's exact computation).
+
+The model classes stay Hugging Face's: each `nn.Linear` is swapped for a module with the same call
+signature.
 """
 
 from __future__ import annotations
 
+import platform
+
 import torch
 from torch import Tensor, nn
 
-from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16
-from pagedserve.engine.module_swap import is_bfloat16_cpu_model, swap_verified
+from pagedserve.cache.attention.cpu_features import (
+    host_cpu_flags,
+    host_cpu_vendor,
+    missing_native_bf16,
+    mkl_runs_fast_paths,
+)
+from pagedserve.engine.module_swap import (
+    is_bfloat16_cpu_model,
+    is_cpu_model,
+    swap_verified,
+    within_float32_rounding,
+)
+
+X86_MACHINES = ("x86_64", "AMD64")
 
 
 class PackedLinear(nn.Module):
@@ -43,26 +63,46 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(model: nn.Module, flags: frozenset[str] | None = None) -> bool:
-    """Whether `pack_linears` applies: a bfloat16 model on the CPU, a CPU with native bf16, and a
-    torch build with oneDNN's bf16 linear."""
+    """Whether `pack_linears` applies to a bfloat16 model: on the CPU, a CPU with native bf16, and
+    a torch build with oneDNN's bf16 linear."""
     if not is_bfloat16_cpu_model(model):
         return False
     if missing_native_bf16(host_cpu_flags() if flags is None else flags):
         return False
+    return _has_onednn_linear() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def float32_linear_backend(
+    setting: str, vendor: str | None = None, machine: str | None = None
+) -> str:
+    """ "mkl" or "onednn" for float32 CPU linears: the setting, with `auto` resolved for the host
+    (or the given CPU vendor id and machine): oneDNN on x86 CPUs MKL does not run fast."""
+    if setting != "auto":
+        return setting
+    vendor = host_cpu_vendor() if vendor is None else vendor
+    machine = platform.machine() if machine is None else machine
+    on_slow_mkl = machine in X86_MACHINES and bool(vendor) and not mkl_runs_fast_paths(vendor)
+    return "onednn" if on_slow_mkl else "mkl"
+
+
+def can_pack_float32(model: nn.Module, setting: str = "auto") -> bool:
+    """Whether `pack_linears` applies to a float32 model: on the CPU, `setting` (the config's
+    `cpu_float32_linear`) resolves to onednn, and torch has oneDNN's linear."""
     return (
-        torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        is_cpu_model(model, torch.float32)
+        and float32_linear_backend(setting) == "onednn"
+        and _has_onednn_linear()
     )
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every `nn.Linear` of a bfloat16 CPU model for a `PackedLinear`; returns how many.
+    """Swap every `nn.Linear` of a bfloat16 or float32 CPU model for a `PackedLinear`; returns how
+    many.
 
     A weight tied to another module (the LM head to the embeddings) stays that module's and stays
     reachable as the packed module's `weight` (no copy); the packed copy is the head's own. A
     layer whose packed output differs from `F.linear` on a probe input is left as it is (and
-    logged): the swap must not change a single bit.
+    logged): in bfloat16 by a single bit, in float32 by more than float32 rounding.
     """
     tied = {  # parameters that other modules use too (tied embeddings)
         id(parameter)
@@ -76,7 +116,14 @@ def pack_linears(model: nn.Module) -> int:
             return None
         return PackedLinear(child, keep_weight=id(child.weight) in tied)
 
-    return swap_verified(model, packed, _same_output, "oneDNN's packed linear")
+    agrees = _same_output if is_bfloat16_cpu_model(model) else _within_rounding
+    return swap_verified(model, packed, agrees, "oneDNN's packed linear")
+
+
+def _has_onednn_linear() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
 
 
 @torch.inference_mode()
@@ -84,3 +131,7 @@ def _same_output(linear: nn.Linear, packed: PackedLinear) -> bool:
     probe = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0))
     probe = probe.to(linear.weight.dtype)
     return torch.equal(linear(probe), packed(probe))
+
+
+def _within_rounding(linear: nn.Linear, packed: PackedLinear) -> bool:
+    return within_float32_rounding(linear, packed, rows=8)

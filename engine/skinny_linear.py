@@ -25,7 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedserve.engine.module_swap import cpu_kernel_or_none, is_cpu_model, swap_verified
+from pagedserve.engine.module_swap import (
+    cpu_kernel_or_none,
+    is_cpu_model,
+    swap_verified,
+    within_float32_rounding,
+)
 
 # The head's rows where the kernel is at least even with MKL (2 rows: 0.98x; 4-12: 1.5-2.1x). At
 # one row MKL's GEMV is at the memory bound already, and at 16 its GEMM is as fast again (0.94x).
@@ -78,12 +83,5 @@ def use_skinny_linears(model: nn.Module, kernel: ModuleType | None = None) -> in
     return swap_verified(model, skinny, _close_to_linear, "the skinny kernel")
 
 
-@torch.inference_mode()
 def _close_to_linear(linear: nn.Linear, skinny: SkinnyLinear) -> bool:
-    probe = torch.randn(MAX_ROWS, linear.in_features, generator=torch.Generator().manual_seed(0))
-    expected, got = linear(probe), skinny(probe)
-    # float32 sums of in_features products in another order: a few ulps of the summed magnitude.
-    scale = probe.abs() @ linear.weight.abs().T
-    if linear.bias is not None:
-        scale = scale + linear.bias.abs()
-    return bool(((got - expected).abs() <= 1e-5 * scale + 1e-30).all())
+    return within_float32_rounding(linear, skinny, MAX_ROWS)

@@ -1,7 +1,8 @@
-"""What the host CPU can compute natively: its vector ISA and whether it has bf16 dot products.
+"""What the host CPU can compute natively: its vector ISA, whether it has bf16 dot products, and
+whether torch's BLAS (MKL) runs its fast code paths on it.
 
-Read from the `flags` line of /proc/cpuinfo (Linux x86). Every decision takes the flags as an
-argument, so tests can ask what a CPU without AVX-512 or without bf16 would get on any host.
+Read from the `flags` and `vendor_id` lines of /proc/cpuinfo (Linux x86). Every decision takes the
+flags or vendor as an argument, so tests can ask what another CPU would get on any host.
 """
 
 from __future__ import annotations
@@ -17,14 +18,26 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 @functools.cache
 def host_cpu_flags() -> frozenset[str]:
     """The host's CPU feature flags (empty where /proc/cpuinfo has none, e.g. not Linux)."""
+    value = _cpuinfo_value(("flags", "Features"))
+    return frozenset(value.split()) if value else frozenset()
+
+
+@functools.cache
+def host_cpu_vendor() -> str:
+    """The host's CPU vendor id, e.g. GenuineIntel or AuthenticAMD ("" where none is given)."""
+    return _cpuinfo_value(("vendor_id",)).strip()
+
+
+def _cpuinfo_value(keys: tuple[str, ...]) -> str:
+    """The value of the first /proc/cpuinfo line that starts with one of `keys` ("" if none)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith(keys):
+                    return line.split(":", 1)[1]
     except OSError:
         pass
-    return frozenset()
+    return ""
 
 
 def vector_isa(flags: frozenset[str]) -> str:
@@ -42,3 +55,13 @@ def missing_native_bf16(flags: frozenset[str]) -> tuple[str, ...]:
     if any(name in flags for name in NATIVE_BF16_FLAGS):
         return ()
     return NATIVE_BF16_FLAGS
+
+
+def mkl_runs_fast_paths(vendor: str) -> bool:
+    """Whether MKL (torch's float32 GEMM on x86) takes its fast code paths on this vendor's CPUs.
+
+    MKL picks its kernels by CPU vendor: on an AMD EPYC (Zen 5, AVX-512) it ran the default model's
+    float32 linears 1.2-4.3x slower than oneDNN, which dispatches on the CPU's features alone
+    (benchmarks/RESULTS.md, "Fifth session"). Only Intel's CPUs get MKL's best paths.
+    """
+    return vendor == "GenuineIntel"

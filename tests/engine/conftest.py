@@ -35,6 +35,7 @@ from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.model_loader import LoadedModel, load_model, resolve_model_path
 from pagedserve.engine.module_swap import swap_children
+from pagedserve.engine.packed_linear import PackedLinear
 from pagedserve.engine.skinny_linear import SkinnyLinear
 from pagedserve.scheduler import SchedulerOutput
 
@@ -193,15 +194,22 @@ def mean_logit_errors(
 
 @contextlib.contextmanager
 def hugging_face_linears(model: torch.nn.Module) -> Iterator[None]:
-    """The model with `nn.Linear` where the loader put a `SkinnyLinear` (same weights), so that a
-    reference is Hugging Face's computation alone; the skinny modules come back afterwards."""
-    originals: dict[int, SkinnyLinear] = {}
+    """The model with `nn.Linear` where the loader put a `SkinnyLinear` or a float32
+    `PackedLinear` (same weights), so that a reference is Hugging Face's computation alone; the
+    loader's modules come back afterwards. (bfloat16 packed layers compute HF's bits already.)"""
+    originals: dict[int, torch.nn.Module] = {}
 
     def to_linear(name: str, child: torch.nn.Module) -> torch.nn.Module | None:
-        if not isinstance(child, SkinnyLinear):
+        if isinstance(child, SkinnyLinear):
+            weight = child.weight
+        elif isinstance(child, PackedLinear) and child.packed_weight.dtype == torch.float32:
+            weight = getattr(child, "weight", None)
+            if weight is None:  # an untied packed layer keeps only oneDNN's copy
+                weight = torch.nn.Parameter(child.packed_weight.to_dense(), requires_grad=False)
+        else:
             return None
-        linear = torch.nn.Linear(child.in_features, child.out_features, bias=False)
-        linear.weight, linear.bias = child.weight, child.bias
+        linear = torch.nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+        linear.weight, linear.bias = weight, child.bias
         originals[id(linear)] = child
         return linear
 

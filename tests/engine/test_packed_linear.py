@@ -1,5 +1,7 @@
-"""bfloat16 linears packed once for oneDNN: the same bits as `nn.Linear`, tied embeddings kept,
-applied only to bfloat16 CPU models on CPUs with native bf16, and by the loader."""
+"""Linears packed once for oneDNN. bfloat16: the same bits as `nn.Linear`, tied embeddings kept,
+applied only on CPUs with native bf16. float32: within float32 rounding of `nn.Linear`, applied
+where `cpu_float32_linear` resolves to onednn (auto: x86 CPUs not made by Intel). Both by the
+loader."""
 
 from __future__ import annotations
 
@@ -11,8 +13,15 @@ from torch import nn
 
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 from pagedserve.engine.model_loader import load_model
-from pagedserve.engine.packed_linear import PackedLinear, can_pack, pack_linears
-from tests.engine.conftest import make_tiny_model
+from pagedserve.engine.packed_linear import (
+    PackedLinear,
+    can_pack,
+    can_pack_float32,
+    float32_linear_backend,
+    pack_linears,
+)
+from pagedserve.engine.skinny_linear import SkinnyLinear
+from tests.engine.conftest import hugging_face_linears, make_tiny_model
 
 needs_native_bf16 = pytest.mark.skipif(
     not can_pack(nn.Linear(1, 1).to(torch.bfloat16)),
@@ -56,6 +65,62 @@ def test_the_loader_packs_a_bfloat16_model_and_leaves_float32_alone(default_mode
     assert isinstance(bf16.lm_head, PackedLinear)
     assert isinstance(bf16.model.layers[0].self_attn.q_proj, PackedLinear)
     assert isinstance(bf16.model.layers[0].mlp.gate_up_proj, PackedLinear)  # fused, then packed
-    fp32 = load_model(ModelConfig(model=DEFAULT_MODEL, dtype="float32"), "cpu").model
+    config = ModelConfig(model=DEFAULT_MODEL, dtype="float32", cpu_float32_linear="mkl")
+    fp32 = load_model(config, "cpu").model
     assert not any(isinstance(m, PackedLinear) for m in fp32.modules())
     assert type(fp32.model.layers[0].self_attn.q_proj) is nn.Linear
+
+
+def test_auto_runs_float32_linears_on_onednn_only_on_x86_cpus_not_made_by_intel():
+    assert float32_linear_backend("auto", vendor="AuthenticAMD", machine="x86_64") == "onednn"
+    assert float32_linear_backend("auto", vendor="HygonGenuine", machine="x86_64") == "onednn"
+    assert float32_linear_backend("auto", vendor="GenuineIntel", machine="x86_64") == "mkl"
+    assert float32_linear_backend("auto", vendor="", machine="x86_64") == "mkl"  # unknown CPU
+    assert float32_linear_backend("auto", vendor="AuthenticAMD", machine="aarch64") == "mkl"
+    for setting in ("mkl", "onednn"):  # an explicit setting wins on any CPU
+        assert float32_linear_backend(setting, vendor="GenuineIntel", machine="x86_64") == setting
+        assert float32_linear_backend(setting, vendor="AuthenticAMD", machine="x86_64") == setting
+
+
+def test_float32_packing_applies_to_float32_cpu_models_when_the_setting_says_onednn():
+    assert can_pack_float32(nn.Linear(4, 4), "onednn")
+    assert not can_pack_float32(nn.Linear(4, 4), "mkl")
+    assert not can_pack_float32(nn.Linear(4, 4).to(torch.bfloat16), "onednn")
+    assert not can_pack_float32(nn.Sequential(), "onednn")
+
+
+def test_packed_float32_model_stays_within_rounding_and_gives_hf_its_linears_back(
+    default_tokenizer,
+):
+    plain = make_tiny_model("llama-gqa", default_tokenizer).model
+    plain.config.tie_word_embeddings = True
+    plain.tie_weights()
+    packed = copy.deepcopy(plain)
+    assert pack_linears(packed) == 2 * 7 + 1  # q k v o gate up down per layer, and the head
+    assert not any(type(m) is nn.Linear for m in packed.modules())
+    assert packed.lm_head.weight is packed.model.embed_tokens.weight  # still tied, not copied
+    input_ids = torch.tensor([[5, 17, 300, 42, 999, 8, 64]])
+    with torch.inference_mode():
+        expected = plain(input_ids).logits
+        got = packed(input_ids).logits
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # float32 rounding apart
+        with hugging_face_linears(packed):  # a reference sees Hugging Face's exact computation
+            assert type(packed.model.layers[0].mlp.down_proj) is nn.Linear
+            assert torch.equal(packed(input_ids).logits, expected)
+    assert isinstance(packed.model.layers[0].mlp.down_proj, PackedLinear)  # and back again
+
+
+def test_the_loader_packs_float32_for_onednn_or_keeps_mkl_with_the_skinny_head(
+    default_model_path,
+):
+    def load(setting: str) -> nn.Module:
+        config = ModelConfig(model=DEFAULT_MODEL, dtype="float32", cpu_float32_linear=setting)
+        return load_model(config, "cpu").model
+
+    onednn = load("onednn")
+    assert isinstance(onednn.model.layers[0].self_attn.q_proj, PackedLinear)
+    assert isinstance(onednn.lm_head, PackedLinear)  # oneDNN's head beats the skinny kernel
+    assert onednn.lm_head.weight is onednn.model.embed_tokens.weight
+    mkl = load("mkl")
+    assert type(mkl.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert isinstance(mkl.lm_head, SkinnyLinear)

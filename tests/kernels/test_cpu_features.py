@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16, vector_isa
+from pagedserve.cache.attention.cpu_features import (
+    host_cpu_flags,
+    host_cpu_vendor,
+    missing_native_bf16,
+    mkl_runs_fast_paths,
+    vector_isa,
+)
 
 ZEN2 = frozenset({"avx", "avx2", "fma", "f16c"})
 SAPPHIRE_RAPIDS = ZEN2 | {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16"}
@@ -19,6 +25,19 @@ def test_missing_native_bf16_names_both_features_only_when_neither_is_present():
     assert missing_native_bf16(SAPPHIRE_RAPIDS) == ()
     assert missing_native_bf16(ZEN2 | {"avx512_bf16"}) == ()
     assert missing_native_bf16(ZEN2 | {"amx_bf16"}) == ()
+
+
+def test_only_intel_cpus_get_mkls_fast_paths():
+    assert mkl_runs_fast_paths("GenuineIntel")
+    assert not mkl_runs_fast_paths("AuthenticAMD")
+    assert not mkl_runs_fast_paths("")  # unknown: not assumed
+
+
+def test_the_host_vendor_comes_from_cpuinfo_without_whitespace():
+    vendor = host_cpu_vendor()
+    assert vendor == vendor.strip()
+    with open("/proc/cpuinfo") as cpuinfo:
+        assert vendor in cpuinfo.read()
 
 
 def test_isa_builds_need_their_features_and_native_is_always_runnable():
