@@ -3,9 +3,10 @@ cache, against the GFLOP/s the model's own matrix multiplies reach in the same r
 
 Each ISA build of the CPU kernel, SDPA on contiguous K/V (causal, GQA expanded) and the MLP's up
 projection at the chunk's row count ([chunk, 576] @ [576, 1536] for the default model) are timed
-round by round in one process; median of `--repeats`. Attention's FLOPs are the causal
-triangle's: 4 * heads * head_dim * chunk * (chunk + 1) / 2 (QK^T and PV). The issue's goal:
-the kernel at >= 50% of the matmul's GFLOP/s for a 1,024-token chunk.
+round by round in one process; median of `--repeats`. The projection runs as the loader runs the
+model's float32 linears on this host: `F.linear` (MKL), or oneDNN where MKL is slow (AMD CPUs).
+Attention's FLOPs are the causal triangle's: 4 * heads * head_dim * chunk * (chunk + 1) / 2 (QK^T
+and PV). The issue's goal: the kernel at >= 50% of the matmul's GFLOP/s for a 1,024-token chunk.
 
     python -m pagedserve.benchmarks.prefill_attention [--chunk 1024] [--threads 1] [--isa avx2]
 """
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pagedserve.benchmarks.workload import (
     RESULTS_DIR,
@@ -29,6 +31,7 @@ from pagedserve.benchmarks.workload import (
 )
 from pagedserve.cache.attention import AttentionMetadata
 from pagedserve.cache.attention.cpu import CpuPagedAttention, host_runnable_isas
+from pagedserve.engine.packed_linear import PackedLinear, can_pack_float32
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -80,7 +83,9 @@ def bench_prefill(
 
     keys, values, queries = contiguous(key_cache), contiguous(value_cache), query.transpose(0, 1)
     hidden = torch.randn(chunk, heads * head_dim)
-    weight = torch.randn(intermediate_size, heads * head_dim)
+    linear = nn.Linear(heads * head_dim, intermediate_size, bias=False).requires_grad_(False)
+    if can_pack_float32(linear):  # the model's float32 linears run on oneDNN on this host
+        linear = PackedLinear(linear)
     kernels = {isa: CpuPagedAttention(isa) for isa in isas or host_runnable_isas()}
     candidates: dict[str, Callable[[], Any]] = {
         f"cpu_{isa}": lambda k=kernel: k.forward(query, key_cache, value_cache, meta, scale)
@@ -89,11 +94,11 @@ def bench_prefill(
     candidates["sdpa_contiguous"] = lambda: F.scaled_dot_product_attention(
         queries[None], keys, values, is_causal=True, scale=scale
     )
-    candidates["matmul"] = lambda: F.linear(hidden, weight)
+    candidates["matmul"] = lambda: linear(hidden)
     times = time_interleaved(candidates, repeats)
     seconds = {name: statistics.median(wall) for name, (wall, _) in times.items()}
     attention_flops = 4 * heads * head_dim * chunk * (chunk + 1) / 2
-    matmul_rate = 2 * chunk * hidden.shape[1] * weight.shape[0] / seconds["matmul"]
+    matmul_rate = 2 * chunk * hidden.shape[1] * intermediate_size / seconds["matmul"]
     rows = []
     for name, median in seconds.items():
         flops = attention_flops if name != "matmul" else matmul_rate * median
