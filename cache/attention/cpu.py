@@ -61,6 +61,7 @@ ISA_REQUIRED_FLAGS = {
 }
 # The kernel keeps a row in registers as kMaxChunks x 16 floats; larger heads take the reference.
 MAX_HEAD_DIM = 512
+KERNEL_QUERY_DTYPES = (torch.float32, torch.bfloat16)  # read in place; others widened first
 
 
 def kernel_cache_dir() -> Path:
@@ -228,9 +229,13 @@ class CpuPagedAttention:
                 self._reference = TorchPagedAttention()
             options = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks)
             return self._reference.forward(query, key_cache, value_cache, meta, scale, **options)
-        # The kernel computes in float32 whatever the cache holds; queries and outputs are small.
+        # The kernel computes in float32 whatever the cache holds. It reads float32 and bfloat16
+        # queries in place (strided: HF's transposed view) and writes its output in their dtype.
+        kernel_query = query if query.dtype in KERNEL_QUERY_DTYPES else query.float()
+        if kernel_query.stride(-1) != 1:  # head_dim must be contiguous; other strides are free
+            kernel_query = kernel_query.contiguous()
         output = self._kernel.paged_attention(
-            query.float().contiguous(),  # [num_tokens, num_heads, head_dim]
+            kernel_query,  # [num_tokens, num_heads, head_dim]
             key_cache,
             value_cache,
             meta.block_tables,
@@ -241,4 +246,4 @@ class CpuPagedAttention:
             softcap or 0.0,
             None if sinks is None else sinks.float().contiguous(),
         )
-        return output.to(query.dtype)
+        return output.to(query.dtype)  # a no-op but for float16 queries

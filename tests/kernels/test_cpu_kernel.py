@@ -112,6 +112,35 @@ def test_cpu_kernel_rejects_seq_len_beyond_block_table(cpu_backend, paged_batch)
         cpu_backend.forward(query, key_cache, value_cache, too_long, 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_cpu_kernel_reads_strided_queries_in_place_with_the_bits_of_a_contiguous_float32_call(
+    cpu_backend, paged_batch, dtype, kv_dtype
+):
+    # The model hands attention HF's [heads, tokens, head_dim] transposed to a [tokens, heads,
+    # head_dim] view; the kernel reads it (and a bfloat16 one) in place, and must give the bits
+    # that widening to a contiguous float32 copy and rounding the output afterwards give.
+    query, key_cache, value_cache, meta = paged_batch(
+        MIXED_QUERY_LENS,
+        MIXED_SEQ_LENS,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        kv_dtype=kv_dtype or dtype,
+    )
+    strided = query.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided.is_contiguous() and torch.equal(strided, query)
+    actual = cpu_backend.forward(strided, key_cache, value_cache, meta, 0.125)
+    kernel_args = (key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens)
+    expected = cpu_backend._kernel.paged_attention(
+        query.float().contiguous(), *kernel_args, 0.125, 0, 0.0, None
+    ).to(dtype)
+    assert actual.dtype == dtype and actual.is_contiguous()
+    assert torch.equal(actual, expected)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [5, 16])

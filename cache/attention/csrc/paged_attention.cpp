@@ -17,7 +17,10 @@
 // 1.6-2x slower (benchmarks/RESULTS.md).
 //
 // The cache may hold float32, bfloat16, float16 or fp8 (e4m3) values; queries and outputs are
-// float32 (the Python side converts). Every accumulation is float32.
+// float32 or bfloat16 (the output in the query's dtype), and the query may be a strided view (HF's
+// [tokens, heads, head_dim] transpose). A bfloat16 query is widened and the output rounded (to
+// nearest even, as torch's .to()) row by row here, rather than by two whole-tensor copies per
+// layer around the call; the bits are the same. Every accumulation is float32.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -30,6 +33,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "bfloat16_bits.h"
 
 namespace {
 
@@ -194,10 +199,13 @@ struct WorkItem {
 
 template <typename cache_t>
 struct Problem {
-  const float* query;           // [num_tokens, num_heads, head_dim]
+  const void* query;            // [num_tokens, num_heads, head_dim], strided, float32 or bf16
+  int64_t query_token_stride;   // elements between tokens, and between heads, of the query
+  int64_t query_head_stride;
+  bool bfloat16_io;             // query and output bfloat16 (else float32)
   const cache_t* key_cache;     // [num_blocks * block_size, num_kv_heads, head_dim]
   const cache_t* value_cache;   // [num_blocks * block_size, num_kv_heads, head_dim]
-  float* output;                // [num_tokens, num_heads, head_dim]
+  void* output;                 // [num_tokens, num_heads, head_dim], contiguous, query's dtype
   const int32_t* block_tables;  // [num_reqs, max_num_blocks_per_req]
   const int32_t* query_start_loc;
   const int32_t* seq_lens;
@@ -362,14 +370,18 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
   // float32 rows of whole vectors are read in place; anything else is widened (and zero-padded).
   const bool read_in_place = std::is_same_v<cache_t, float> && head_dim % kLanes == 0;
 
-  auto query_offset = [&](int m) {
-    const int64_t token = query_start + item.query_begin + m / group_size;
-    return (token * p.num_heads + kv_head * group_size + m % group_size) * head_dim;
-  };
+  auto token_of = [&](int m) { return query_start + item.query_begin + m / group_size; };
+  auto head_of = [&](int m) { return kv_head * group_size + m % group_size; };
   for (int m = 0; m < num_rows; ++m) {
-    const float* src = p.query + query_offset(m);
+    const int64_t offset = token_of(m) * p.query_token_stride + head_of(m) * p.query_head_stride;
     float* row = q.data() + static_cast<size_t>(m) * stride;
-    for (int d = 0; d < head_dim; ++d) row[d] = src[d] * p.scale;
+    if (p.bfloat16_io) {
+      const uint16_t* src = static_cast<const uint16_t*>(p.query) + offset;
+      for (int d = 0; d < head_dim; ++d) row[d] = pagedserve::bf16_to_float(src[d]) * p.scale;
+    } else {
+      const float* src = static_cast<const float*>(p.query) + offset;
+      for (int d = 0; d < head_dim; ++d) row[d] = src[d] * p.scale;
+    }
   }
 
   // The tile's last row sits at position first_position + query_end - 1 and sees up to it; with
@@ -448,8 +460,14 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
   for (int m = 0; m < num_rows; ++m) {
     const float inverse_sum = 1.0f / row_sum[m];  // > 0: every row sees at least its own key
     const float* row = acc.data() + static_cast<size_t>(m) * stride;
-    float* out = p.output + query_offset(m);
-    for (int d = 0; d < head_dim; ++d) out[d] = row[d] * inverse_sum;
+    const int64_t offset = (token_of(m) * p.num_heads + head_of(m)) * head_dim;
+    if (p.bfloat16_io) {
+      uint16_t* out = static_cast<uint16_t*>(p.output) + offset;
+      for (int d = 0; d < head_dim; ++d) out[d] = pagedserve::float_to_bf16(row[d] * inverse_sum);
+    } else {
+      float* out = static_cast<float*>(p.output) + offset;
+      for (int d = 0; d < head_dim; ++d) out[d] = row[d] * inverse_sum;
+    }
   }
 }
 
@@ -492,8 +510,10 @@ void launch(const torch::Tensor& query, const torch::Tensor& key_cache,
             const torch::Tensor& seq_lens, double scale, int64_t sliding_window, double softcap,
             const c10::optional<torch::Tensor>& sinks, const std::vector<WorkItem>& items) {
   const Problem<cache_t> problem{
-      query.data_ptr<float>(), static_cast<const cache_t*>(key_cache.data_ptr()),
-      static_cast<const cache_t*>(value_cache.data_ptr()), output.data_ptr<float>(),
+      query.data_ptr(), query.stride(0), query.stride(1),
+      query.scalar_type() == torch::kBFloat16,
+      static_cast<const cache_t*>(key_cache.data_ptr()),
+      static_cast<const cache_t*>(value_cache.data_ptr()), output.data_ptr(),
       block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
       seq_lens.data_ptr<int32_t>(), block_tables.size(1), static_cast<int>(key_cache.size(1)),
       static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(2)),
@@ -520,10 +540,13 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() &&
                   key_cache.scalar_type() == value_cache.scalar_type(),
               "key and value caches differ in shape or dtype");
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "query must be float32 (got ",
-              query.scalar_type(), "); the caller converts");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "query and caches must be contiguous");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 || query.scalar_type() == torch::kBFloat16,
+              "query must be float32 or bfloat16 (got ", query.scalar_type(),
+              "); the caller converts");
+  TORCH_CHECK(query.stride(2) == 1, "the query's head_dim must be contiguous (any token and "
+              "head strides)");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "the caches must be contiguous");
   for (const auto* tensor : {&query, &key_cache, &value_cache, &block_tables, &query_start_loc,
                              &seq_lens}) {
     TORCH_CHECK(tensor->device().is_cpu(), "the CPU kernel needs CPU tensors, got ",
@@ -549,7 +572,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   TORCH_CHECK(qsl[num_reqs] == query.size(0), "query_start_loc[-1] != num_tokens");
 
-  auto output = torch::empty_like(query);
+  auto output = torch::empty({query.size(0), num_heads, head_dim}, query.options());
   // Block ids themselves are trusted (the block manager owns them); lengths are checked.
   const auto items = make_work_items(qsl, seq_lens.data_ptr<int32_t>(), num_reqs,
                                      block_tables.size(1) * key_cache.size(1));
@@ -582,8 +605,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("value_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,
         py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
-        "Paged attention over a mixed batch (float32 query, any supported cache dtype); returns "
-        "float32 [num_tokens, num_heads, head_dim]");
+        "Paged attention over a mixed batch (float32 or bfloat16 query, strided, any supported "
+        "cache dtype); returns [num_tokens, num_heads, head_dim] in the query's dtype");
   m.def("rms_norm_bf16", &rms_norm_bf16, py::arg("input"), py::arg("weight"), py::arg("eps"),
         "Hugging Face's LlamaRMSNorm of bfloat16 rows in one pass (rms_norm.cpp)");
   m.def("silu_mul_bf16", &silu_mul_bf16, py::arg("gate_up"),
