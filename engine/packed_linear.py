@@ -75,8 +75,8 @@ def can_pack(model: nn.Module, flags: frozenset[str] | None = None) -> bool:
 def float32_linear_backend(
     setting: str, vendor: str | None = None, machine: str | None = None
 ) -> str:
-    """ "mkl" or "onednn" for float32 CPU linears: the setting, with `auto` resolved for the host
-    (or the given CPU vendor id and machine): oneDNN on x86 CPUs MKL does not run fast."""
+    """The backend of float32 CPU linears, mkl or onednn: the setting, with `auto` resolved for
+    the host (or the given CPU vendor id and machine): oneDNN on x86 CPUs MKL does not run fast."""
     if setting != "auto":
         return setting
     vendor = host_cpu_vendor() if vendor is None else vendor
