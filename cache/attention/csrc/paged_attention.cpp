@@ -61,14 +61,8 @@ struct Fp8E4M3 {
   uint8_t bits;
 };
 
-inline float bits_to_float(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof(float));
-  return value;
-}
-
 // bfloat16 is the top half of a float32: a shift the compiler vectorises (c10's cast is scalar).
-inline float widen(at::BFloat16 x) { return bits_to_float(static_cast<uint32_t>(x.x) << 16); }
+inline float widen(at::BFloat16 x) { return pagedserve::bf16_to_float(x.x); }
 inline float widen(at::Half x) { return static_cast<float>(x); }  // rare on CPU: c10's exact cast
 
 // kLanes bytes zero-extended to 32-bit lanes. A plain loop: GCC 12 compiles it to one vpmovzxbd,
