@@ -6,15 +6,23 @@
 // kKeyTile positions resolved through the block table, with an online (running max) softmax, so
 // the kernel never gathers a request's history.
 //
-// float32 rows of whole vectors are read in place; other dtypes (and odd head sizes) are first
-// widened into a small float32 buffer, zero-padded to whole vectors. Three passes then run per
-// row: scores (q . k), the softmax update, and the value sum. They use explicit vectors of the
-// ISA the file is compiled for (PAGEDSERVE_CPU_ISA in cpu.py): kLanes = 16 floats, one AVX-512
-// register, or 8 floats, one AVX2 register (GCC vector extensions, so each operation is one
-// instruction of that ISA; elsewhere 16 lanes of generic vectors, e.g. four NEON registers). A
-// row's query or accumulator stays in registers across the tile; the previous, auto-vectorised
+// Each key tile takes three passes: scores (q . k) for every row, the softmax update of every
+// row, then one value pass in which each value row is loaded once for several rows at a time
+// (accumulate_tile; a key a row does not see has probability 0 there). They use explicit vectors
+// of the ISA the file is compiled for (PAGEDSERVE_CPU_ISA in cpu.py): kLanes = 16 floats, one
+// AVX-512 register, or 8 floats, one AVX2 register (GCC vector extensions, so each operation is
+// one instruction of that ISA; elsewhere 16 lanes of generic vectors, e.g. four NEON registers).
+// A row's query or accumulators stay in registers across the tile; the previous, auto-vectorised
 // version of these loops (a scalar exp, a horizontal sum per key, the accumulator in memory) ran
 // 1.6-2x slower (benchmarks/RESULTS.md).
+//
+// float32 rows of whole vectors are read in place. bfloat16 values are widened in registers as
+// the value pass loads them; bfloat16 keys are read unwidened by AVX512_BF16 dot products where
+// the build has them and the query is bfloat16 (score_row_dpbf16), else widened into a small
+// float32 buffer, as are float16 and fp8 rows (zero-padded to whole vectors). On a 2-core AMD EPYC
+// (Zen 4) these changes, the value pass over several rows and L2 prefetching took a 64 x 1,024
+// decode step from 2.2x to 1.4x the time of a plain read of its K/V in float32, and from 4.5x to
+// 1.5x in bfloat16 (benchmarks/RESULTS.md, "Sixth session").
 //
 // The cache may hold float32, bfloat16, float16 or fp8 (e4m3) values; queries and outputs are
 // float32 or bfloat16 (the output in the query's dtype), and the query may be a strided view (HF's
@@ -24,6 +32,10 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -50,8 +62,15 @@ typedef float vhalf __attribute__((vector_size(kLanes / 2 * sizeof(float))));
 typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t vbf16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+// Vector registers of the ISA (AVX-512: 32, AVX2: 16): how many rows' accumulators fit at once.
+#if PAGEDSERVE_LANES == 16
+constexpr int kRegisters = 32;
+#else
+constexpr int kRegisters = 16;
+#endif
 
-constexpr int kKeyTile = 32;     // K and V tiles (2 x 32 x head_dim floats) stay in L1
+constexpr int kKeyTile = 64;     // keys per tile: prefetched a tile ahead, scored, then one value pass
 constexpr int kQueryTile = 16;   // prefill tokens per work item: enough items for every core
 constexpr int kMaxChunks = 512 / kLanes;  // head_dim <= 512
 static_assert(kKeyTile % kLanes == 0, "a key tile's scores are whole vectors");
@@ -298,6 +317,94 @@ inline void accumulate_values(const float* probs, const float* const* values, in
   for (int c = 0; c < chunks; ++c) store(acc + c * kLanes, sum[c]);
 }
 
+// kLanes bfloat16 values widened to float in registers: zero-extend each to 32 bits, shift up.
+inline vfloat load_widened(const uint16_t* p) {
+  vbf16 half;
+  std::memcpy(&half, p, sizeof(half));
+  return bits_to_vfloat(__builtin_convertvector(half, vint) << 16);
+}
+
+inline vfloat load_value(const float* p) { return load(p); }
+inline vfloat load_value(const uint16_t* p) { return load_widened(p); }
+
+// acc[r] += sum_t probs[r][t] * v[t] for ROWS rows at once: each value row is loaded (and, for
+// bfloat16, widened) once for all of them instead of once per row. probs rows are kKeyTile apart.
+template <int CHUNKS, int ROWS, typename value_t>
+inline void accumulate_rows(const float* probs, const value_t* const* values, int num_keys,
+                            float* acc, int stride) {
+  vfloat sum[ROWS][CHUNKS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CHUNKS; ++c) sum[r][c] = load(acc + r * stride + c * kLanes);
+  for (int t = 0; t < num_keys; ++t) {
+    vfloat value[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) value[c] = load_value(values[t] + c * kLanes);
+    for (int r = 0; r < ROWS; ++r) {
+      const float p = probs[r * kKeyTile + t];
+      for (int c = 0; c < CHUNKS; ++c) sum[r][c] += p * value[c];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CHUNKS; ++c) store(acc + r * stride + c * kLanes, sum[r][c]);
+}
+
+// Rows whose accumulators fit in registers beside one value row, at most 4.
+template <int CHUNKS>
+constexpr int rows_per_pass() {
+  return std::max(1, std::min(4, (kRegisters / 2) / CHUNKS));
+}
+
+// The value pass of one tile for every row of a work item, rows_per_pass() rows at a time.
+template <int CHUNKS, typename value_t>
+inline void accumulate_tile(const float* probs, const value_t* const* values, int num_keys,
+                            float* acc, int stride, int num_rows) {
+  constexpr int kRows = rows_per_pass<CHUNKS>();
+  int m = 0;
+  for (; m + kRows <= num_rows; m += kRows)
+    accumulate_rows<CHUNKS, kRows>(probs + m * kKeyTile, values, num_keys, acc + m * stride, stride);
+  // The remaining rows (fewer than kRows) in one pass too: a decode item has group_size rows.
+  const float* rest_probs = probs + m * kKeyTile;
+  float* rest_acc = acc + m * stride;
+  switch (num_rows - m) {
+    case 3:
+      if constexpr (kRows > 3) accumulate_rows<CHUNKS, 3>(rest_probs, values, num_keys, rest_acc, stride);
+      break;
+    case 2:
+      if constexpr (kRows > 2) accumulate_rows<CHUNKS, 2>(rest_probs, values, num_keys, rest_acc, stride);
+      break;
+    case 1:
+      accumulate_rows<CHUNKS, 1>(rest_probs, values, num_keys, rest_acc, stride);
+      break;
+  }
+}
+
+#if defined(__AVX512BF16__) && PAGEDSERVE_LANES == 16
+#define PAGEDSERVE_DPBF16 1
+// scores[t] = scale * (q . k[t]) for bfloat16 q and k by AVX512_BF16 dot products (vdpbf16ps:
+// each product of two bfloat16 values is exact in float32, pairs summed in float32), read straight
+// from the cache: no widening of K. 32 values per instruction; CHUNKS (of 16 floats) is even.
+template <int CHUNKS>
+inline void score_row_dpbf16(const uint16_t* q, const uint16_t* const* keys, int num_keys,
+                             float scale, float* scores) {
+  constexpr int kPairs = CHUNKS / 2;
+  __m512bh query[kPairs];
+  for (int c = 0; c < kPairs; ++c) query[c] = (__m512bh)_mm512_loadu_si512(q + c * 2 * kLanes);
+  auto dot = [&](const uint16_t* key) {
+    __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[0],
+                                  (__m512bh)_mm512_loadu_si512(key));
+    for (int c = 1; c < kPairs; ++c)
+      sum = _mm512_dpbf16_ps(sum, query[c], (__m512bh)_mm512_loadu_si512(key + c * 2 * kLanes));
+    return (vfloat)sum;
+  };
+  int t = 0;
+  for (; t + kLanes <= num_keys; t += kLanes) {
+    vfloat sums[kLanes];
+    for (int k = 0; k < kLanes; ++k) sums[k] = dot(keys[t + k]);
+    store(scores + t, transposed_sum(sums) * scale);
+  }
+  for (; t < num_keys; ++t) scores[t] = horizontal_sum(dot(keys[t])) * scale;
+}
+#endif
+
 inline float horizontal_max(vfloat v) {
   const vfloat4 max4 = fold_to_4(v, true);
   return std::max(std::max(max4[0], max4[1]), std::max(max4[2], max4[3]));
@@ -358,20 +465,36 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
       row_sum[m] = 1.0f;
     }
   }
-  alignas(64) float scores[kKeyTile];
+  // One tile's scores, then probabilities, for every row (kKeyTile apart): the value pass reads
+  // each value row once for several rows (accumulate_tile).
+  std::vector<float> probs(static_cast<size_t>(num_rows) * kKeyTile);
   const float* key_rows[kKeyTile];  // into the cache (float32) or the widened tiles
   const float* value_rows[kKeyTile];
-  // float32 rows of whole vectors are read in place; anything else is widened (and zero-padded).
+  const uint16_t* bf16_key_rows[kKeyTile];  // into a bfloat16 cache, read as they are
+  const uint16_t* bf16_value_rows[kKeyTile];
+  // float32 rows of whole vectors are read in place; bfloat16 values are widened in registers
+  // (whole vectors, compile-time head sizes); anything else is widened (and zero-padded) first.
+  constexpr bool kBf16Cache = std::is_same_v<cache_t, at::BFloat16>;
   const bool read_in_place = std::is_same_v<cache_t, float> && head_dim % kLanes == 0;
+  const bool bf16_values_in_place = kBf16Cache && CHUNKS > 0;
+#ifdef PAGEDSERVE_DPBF16
+  // bfloat16 queries over a bfloat16 cache: q . k by AVX512_BF16 dot products, keys unwidened.
+  const bool dpbf16_scores = kBf16Cache && CHUNKS > 0 && CHUNKS % 2 == 0 && p.bfloat16_io;
+#else
+  const bool dpbf16_scores = false;
+#endif
 
   auto token_of = [&](int m) { return query_start + item.query_begin + m / group_size; };
   auto head_of = [&](int m) { return kv_head * group_size + m % group_size; };
+  // The query rows as dpbf16_scores reads them: bfloat16, unscaled, zero-padded to `stride`.
+  std::vector<uint16_t> q_bf16(dpbf16_scores ? static_cast<size_t>(num_rows) * stride : 0, 0);
   for (int m = 0; m < num_rows; ++m) {
     const int64_t offset = token_of(m) * p.query_token_stride + head_of(m) * p.query_head_stride;
     float* row = q.data() + static_cast<size_t>(m) * stride;
     if (p.bfloat16_io) {
       const uint16_t* src = static_cast<const uint16_t*>(p.query) + offset;
       for (int d = 0; d < head_dim; ++d) row[d] = pagedserve::bf16_to_float(src[d]) * p.scale;
+      if (dpbf16_scores) std::memcpy(q_bf16.data() + m * stride, src, head_dim * sizeof(uint16_t));
     } else {
       const float* src = static_cast<const float*>(p.query) + offset;
       for (int d = 0; d < head_dim; ++d) row[d] = src[d] * p.scale;
@@ -388,7 +511,9 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
   // Cache rows of one key tile: block = table[pos / block_size], offset = pos % block_size,
   // stepped rather than divided per key. Each tile's rows are resolved and prefetched while the
   // previous tile is computed: the block table scatters a request's history, so the hardware
-  // prefetcher cannot run ahead across blocks (measured 1.1-1.25x on a 64 x 1,024 decode step).
+  // prefetcher cannot run ahead across blocks. Prefetched into L2, not L1: on an AMD EPYC (Zen 4)
+  // a whole tile's lines requested into L1 at once stalled on L1's few miss buffers, and the
+  // decode step ran 1.5-1.7x slower than with the same requests into L2 (benchmarks/RESULTS.md).
   int64_t tile_rows[2][kKeyTile];
   int next_block_index = first_key / p.block_size, next_offset = first_key % p.block_size;
   const int row_bytes = head_dim * static_cast<int>(sizeof(cache_t));
@@ -405,8 +530,8 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
       const char* key = reinterpret_cast<const char*>(p.key_cache + rows[t]);
       const char* value = reinterpret_cast<const char*>(p.value_cache + rows[t]);
       for (int byte = 0; byte < row_bytes; byte += 64) {
-        __builtin_prefetch(key + byte);
-        __builtin_prefetch(value + byte);
+        __builtin_prefetch(key + byte, 0, 2);
+        __builtin_prefetch(value + byte, 0, 2);
       }
     }
   };
@@ -424,6 +549,16 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
           continue;
         }
       }
+      if constexpr (kBf16Cache) {
+        bf16_key_rows[t] = reinterpret_cast<const uint16_t*>(p.key_cache + row);
+        bf16_value_rows[t] = reinterpret_cast<const uint16_t*>(p.value_cache + row);
+        if (!dpbf16_scores) {
+          float* key = key_tile.data() + t * stride;
+          widen_row(p.key_cache + row, key, head_dim);
+          key_rows[t] = key;
+        }
+        if (bf16_values_in_place) continue;
+      }
       float* key = key_tile.data() + t * stride;
       float* value = value_tile.data() + t * stride;
       widen_row(p.key_cache + row, key, head_dim);
@@ -432,22 +567,47 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
       value_rows[t] = value;
     }
     for (int m = 0; m < num_rows; ++m) {
+      float* scores = probs.data() + static_cast<size_t>(m) * kKeyTile;
       // Causal: the row at position first_position + token sees keys up to that position.
       const int row_position = first_position + item.query_begin + m / group_size;
       const int visible = std::min(tile_keys, row_position + 1 - key_begin);
       // The row's oldest visible key, within this tile (0 without a window).
       const int hidden =
           p.sliding_window > 0 ? std::max(0, row_position - p.sliding_window + 1 - key_begin) : 0;
-      if (visible <= hidden) continue;
-      float* row_acc = acc.data() + static_cast<size_t>(m) * stride;
-      score_row<CHUNKS>(q.data() + static_cast<size_t>(m) * stride, key_rows, chunks, visible,
-                        scores);
+      if (visible <= hidden) {  // nothing of this tile: probability 0 for every key
+        std::fill(scores, scores + kKeyTile, 0.0f);
+        continue;
+      }
+#ifdef PAGEDSERVE_DPBF16
+      if (dpbf16_scores) {
+        score_row_dpbf16<CHUNKS>(q_bf16.data() + static_cast<size_t>(m) * stride, bf16_key_rows,
+                                 visible, p.scale, scores);
+      } else
+#endif
+      {
+        score_row<CHUNKS>(q.data() + static_cast<size_t>(m) * stride, key_rows, chunks, visible,
+                          scores);
+      }
       if (p.softcap > 0.0f) {
         for (int t = 0; t < visible; ++t) scores[t] = p.softcap * std::tanh(scores[t] / p.softcap);
       }
       for (int t = 0; t < hidden; ++t) scores[t] = -std::numeric_limits<float>::infinity();
-      softmax_update(scores, visible, stride, row_acc, row_max[m], row_sum[m]);
-      accumulate_values<CHUNKS>(scores, value_rows, chunks, visible, row_acc);
+      softmax_update(scores, visible, stride, acc.data() + static_cast<size_t>(m) * stride,
+                     row_max[m], row_sum[m]);
+    }
+    // Keys a row does not see have probability 0 there: one value pass over the tile serves all.
+    if constexpr (CHUNKS > 0) {
+      if (bf16_values_in_place) {
+        accumulate_tile<CHUNKS>(probs.data(), bf16_value_rows, tile_keys, acc.data(), stride,
+                                num_rows);
+      } else {
+        accumulate_tile<CHUNKS>(probs.data(), value_rows, tile_keys, acc.data(), stride, num_rows);
+      }
+    } else {
+      for (int m = 0; m < num_rows; ++m) {
+        accumulate_values<CHUNKS>(probs.data() + static_cast<size_t>(m) * kKeyTile, value_rows,
+                                  chunks, tile_keys, acc.data() + static_cast<size_t>(m) * stride);
+      }
     }
   }
 
@@ -595,6 +755,11 @@ torch::Tensor skinny_linear_fp32(const torch::Tensor& input, const torch::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vector_lanes") = kLanes;  // what the build targets: 16 (AVX-512) or 8 (AVX2)
+#ifdef PAGEDSERVE_DPBF16
+  m.attr("bf16_dot_products") = true;  // bfloat16 q . k on AVX512_BF16 (score_row_dpbf16)
+#else
+  m.attr("bf16_dot_products") = false;
+#endif
   m.def("paged_attention", &paged_attention, py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,
