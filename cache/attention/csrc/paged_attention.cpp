@@ -511,9 +511,10 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
   // Cache rows of one key tile: block = table[pos / block_size], offset = pos % block_size,
   // stepped rather than divided per key. Each tile's rows are resolved and prefetched while the
   // previous tile is computed: the block table scatters a request's history, so the hardware
-  // prefetcher cannot run ahead across blocks. Prefetched into L2, not L1: on an AMD EPYC (Zen 4)
-  // a whole tile's lines requested into L1 at once stalled on L1's few miss buffers, and the
-  // decode step ran 1.5-1.7x slower than with the same requests into L2 (benchmarks/RESULTS.md).
+  // prefetcher cannot run ahead across blocks. Prefetched into L2, not L1, and a share before each
+  // row's scores rather than all at once: on an AMD EPYC (Zen 4) a whole tile's lines requested
+  // into L1 in one burst stalled on L1's few miss buffers, and the decode step ran 1.5-1.7x slower
+  // than with the same requests into L2; spreading them gained another 3-18% (RESULTS.md).
   int64_t tile_rows[2][kKeyTile];
   int next_block_index = first_key / p.block_size, next_offset = first_key % p.block_size;
   const int row_bytes = head_dim * static_cast<int>(sizeof(cache_t));
@@ -527,6 +528,10 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
         next_offset = 0;
         ++next_block_index;
       }
+    }
+  };
+  auto prefetch_rows = [&](const int64_t* rows, int begin, int end) {
+    for (int t = begin; t < end; ++t) {
       const char* key = reinterpret_cast<const char*>(p.key_cache + rows[t]);
       const char* value = reinterpret_cast<const char*>(p.value_cache + rows[t]);
       for (int byte = 0; byte < row_bytes; byte += 64) {
@@ -536,10 +541,12 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
     }
   };
   resolve_tile(first_key, tile_rows[0]);
+  prefetch_rows(tile_rows[0], 0, std::min(kKeyTile, num_keys - first_key));
   for (int key_begin = first_key, tile = 0; key_begin < num_keys;
        key_begin += kKeyTile, tile ^= 1) {
     const int tile_keys = std::min(kKeyTile, num_keys - key_begin);
-    if (key_begin + kKeyTile < num_keys) resolve_tile(key_begin + kKeyTile, tile_rows[tile ^ 1]);
+    const int next_keys = std::max(0, std::min(kKeyTile, num_keys - key_begin - kKeyTile));
+    if (next_keys > 0) resolve_tile(key_begin + kKeyTile, tile_rows[tile ^ 1]);
     for (int t = 0; t < tile_keys; ++t) {
       const int64_t row = tile_rows[tile][t];
       if constexpr (std::is_same_v<cache_t, float>) {
@@ -567,6 +574,7 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
       value_rows[t] = value;
     }
     for (int m = 0; m < num_rows; ++m) {
+      prefetch_rows(tile_rows[tile ^ 1], m * next_keys / num_rows, (m + 1) * next_keys / num_rows);
       float* scores = probs.data() + static_cast<size_t>(m) * kKeyTile;
       // Causal: the row at position first_position + token sees keys up to that position.
       const int row_position = first_position + item.query_begin + m / group_size;
