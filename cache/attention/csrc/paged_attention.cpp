@@ -557,14 +557,16 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
         }
       }
       if constexpr (kBf16Cache) {
-        bf16_key_rows[t] = reinterpret_cast<const uint16_t*>(p.key_cache + row);
-        bf16_value_rows[t] = reinterpret_cast<const uint16_t*>(p.value_cache + row);
-        if (!dpbf16_scores) {
-          float* key = key_tile.data() + t * stride;
-          widen_row(p.key_cache + row, key, head_dim);
-          key_rows[t] = key;
+        if (bf16_values_in_place) {  // values widened by the value pass; keys as scoring reads them
+          bf16_key_rows[t] = reinterpret_cast<const uint16_t*>(p.key_cache + row);
+          bf16_value_rows[t] = reinterpret_cast<const uint16_t*>(p.value_cache + row);
+          if (!dpbf16_scores) {
+            float* key = key_tile.data() + t * stride;
+            widen_row(p.key_cache + row, key, head_dim);
+            key_rows[t] = key;
+          }
+          continue;
         }
-        if (bf16_values_in_place) continue;
       }
       float* key = key_tile.data() + t * stride;
       float* value = value_tile.data() + t * stride;
