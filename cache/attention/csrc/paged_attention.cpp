@@ -21,8 +21,8 @@
 // the build has them and the query is bfloat16 (score_row_dpbf16), else widened into a small
 // float32 buffer, as are float16 and fp8 rows (zero-padded to whole vectors). On a 2-core AMD EPYC
 // (Zen 4) these changes, the value pass over several rows and L2 prefetching took a 64 x 1,024
-// decode step from 2.2x to 1.4x the time of a plain read of its K/V in float32, and from 4.5x to
-// 1.5x in bfloat16 (benchmarks/RESULTS.md, "Sixth session").
+// decode step from 2.1x to 1.4-1.7x the time of a plain read of its K/V in float32, and from 4.5x
+// to 1.3x in bfloat16 (benchmarks/RESULTS.md, "Sixth session").
 //
 // The cache may hold float32, bfloat16, float16 or fp8 (e4m3) values; queries and outputs are
 // float32 or bfloat16 (the output in the query's dtype), and the query may be a strided view (HF's
