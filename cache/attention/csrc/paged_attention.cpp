@@ -491,10 +491,12 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int kv_head) {
   for (int m = 0; m < num_rows; ++m) {
     const int64_t offset = token_of(m) * p.query_token_stride + head_of(m) * p.query_head_stride;
     float* row = q.data() + static_cast<size_t>(m) * stride;
-    if (p.bfloat16_io) {
+    if (dpbf16_scores) {  // scored from the bfloat16 row as it is; the float32 row goes unused
+      const uint16_t* src = static_cast<const uint16_t*>(p.query) + offset;
+      std::memcpy(q_bf16.data() + m * stride, src, head_dim * sizeof(uint16_t));
+    } else if (p.bfloat16_io) {
       const uint16_t* src = static_cast<const uint16_t*>(p.query) + offset;
       for (int d = 0; d < head_dim; ++d) row[d] = pagedserve::bf16_to_float(src[d]) * p.scale;
-      if (dpbf16_scores) std::memcpy(q_bf16.data() + m * stride, src, head_dim * sizeof(uint16_t));
     } else {
       const float* src = static_cast<const float*>(p.query) + offset;
       for (int d = 0; d < head_dim; ++d) row[d] = src[d] * p.scale;
