@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -220,3 +223,38 @@ def test_cpu_backend_falls_back_to_the_reference_for_heads_beyond_the_kernel(
     with caplog.at_level("WARNING", logger="pagedserve.cache.attention.cpu"):
         matches_reference(cpu_backend, batch)
     assert "slow torch reference" in caplog.text
+
+
+def test_cpu_kernel_lets_other_threads_run_python_while_it_computes(cpu_backend, paged_batch):
+    """The server's event loop (and /health) shares the process with the engine thread: a long
+    prefill's attention must not hold the GIL. A thread that only sleeps and reads the clock
+    stalls for a whole kernel call if the kernel keeps the GIL, and for milliseconds if not."""
+    query, key_cache, value_cache, meta = paged_batch(
+        [3072], [3072], num_heads=4, num_kv_heads=4, head_dim=64, block_size=16
+    )
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel takes one core, the clock reader the other
+    try:
+        started = time.perf_counter()
+        cpu_backend.forward(query, key_cache, value_cache, meta, 0.125)
+        call_s = time.perf_counter() - started
+        done = threading.Event()
+
+        def compute() -> None:
+            for _ in range(4):
+                cpu_backend.forward(query, key_cache, value_cache, meta, 0.125)
+            done.set()
+
+        worker = threading.Thread(target=compute)
+        longest_gap_s, last = 0.0, time.perf_counter()
+        worker.start()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            longest_gap_s, last = max(longest_gap_s, now - last), now
+        worker.join()
+    finally:
+        torch.set_num_threads(previous)
+    assert longest_gap_s < call_s / 4, (
+        f"stalled {longest_gap_s:.3f} s; one call takes {call_s:.3f} s"
+    )

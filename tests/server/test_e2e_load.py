@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.configs.engine import DEFAULT_MODEL
-from tests.server_process import ServerProcess
+from tests.server_process import REPO_ROOT, ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -250,39 +252,43 @@ async def _openai_stream(client: openai.AsyncOpenAI, index: int) -> str:
     return finish_reasons[0]
 
 
-async def _run_streams_and_poll_health(url: str) -> tuple[list[Any], list[float]]:
+async def _run_streams(url: str) -> list[Any]:
     limits = httpx.Limits(max_connections=NUM_CONCURRENT_STREAMS)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
-    health_latencies: list[float] = []
     async with (
         httpx.AsyncClient(limits=limits, timeout=timeout) as http,
         openai.AsyncOpenAI(
             base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S
         ) as client,
-        httpx.AsyncClient(timeout=timeout) as prober,
     ):
-        streams = asyncio.gather(
+        return await asyncio.gather(
             *[
                 _raw_stream(http, url, index) if index % 2 == 0 else _openai_stream(client, index)
                 for index in range(NUM_CONCURRENT_STREAMS)
             ],
             return_exceptions=True,
         )
-        while not streams.done():
-            started = time.monotonic()
-            response = await prober.get(f"{url}/health")
-            health_latencies.append(time.monotonic() - started)
-            assert response.status_code == 200
-            await asyncio.wait([streams], timeout=0.1)
-        return await streams, health_latencies
 
 
 def test_64_concurrent_streams_end_with_done_while_health_stays_fast(url):
     before = _wait_for(url, _is_idle, timeout_s=30)
+    # /health is polled from a process of its own (tests/health_prober.py says why).
+    prober = subprocess.Popen(
+        [sys.executable, "-m", "tests.health_prober", url],
+        cwd=REPO_ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert prober.stdout is not None and prober.stdout.readline() == "ready\n"
     started = time.monotonic()
-    results, health_latencies = asyncio.run(_run_streams_and_poll_health(url))
+    results = asyncio.run(_run_streams(url))
+    elapsed_s = time.monotonic() - started
+    output, _ = prober.communicate(timeout=30)  # closing its stdin stops it
+    assert prober.returncode == 0, output
+    health_latencies = json.loads(output)
     print(
-        f"{NUM_CONCURRENT_STREAMS} streams in {time.monotonic() - started:.1f}s; /health: "
+        f"{NUM_CONCURRENT_STREAMS} streams in {elapsed_s:.1f}s; /health: "
         f"{len(health_latencies)} polls, max {max(health_latencies, default=0):.3f}s"
     )
     errors = [result for result in results if isinstance(result, BaseException)]

@@ -765,7 +765,11 @@ torch::Tensor rms_norm_bf16(const torch::Tensor& input, const torch::Tensor& wei
 torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
 torch::Tensor skinny_linear_fp32(const torch::Tensor& input, const torch::Tensor& weight);
 
+// Every entry point releases the GIL while it runs (arguments are converted before, the result
+// after): a long prefill's attention would otherwise hold the server's event loop, and /health,
+// for as long as it computes. torch's own operators release it the same way.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.attr("vector_lanes") = kLanes;  // what the build targets: 16 (AVX-512) or 8 (AVX2)
 #ifdef PAGEDSERVE_DPBF16
   m.attr("bf16_dot_products") = true;  // bfloat16 q . k on AVX512_BF16 (score_row_dpbf16)
@@ -775,13 +779,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,
-        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), no_gil,
         "Paged attention over a mixed batch (float32 or bfloat16 query, strided, any supported "
         "cache dtype); returns [num_tokens, num_heads, head_dim] in the query's dtype");
   m.def("rms_norm_bf16", &rms_norm_bf16, py::arg("input"), py::arg("weight"), py::arg("eps"),
+        no_gil,
         "Hugging Face's LlamaRMSNorm of bfloat16 rows in one pass (rms_norm.cpp)");
-  m.def("silu_mul_bf16", &silu_mul_bf16, py::arg("gate_up"),
+  m.def("silu_mul_bf16", &silu_mul_bf16, py::arg("gate_up"), no_gil,
         "SiLU(gate) * up of bfloat16 [..., 2 * I] rows, as LlamaMLP rounds it (silu_mul.cpp)");
-  m.def("skinny_linear_fp32", &skinny_linear_fp32, py::arg("input"), py::arg("weight"),
+  m.def("skinny_linear_fp32", &skinny_linear_fp32, py::arg("input"), py::arg("weight"), no_gil,
         "float32 input @ weight.T for at most 16 rows, weights streamed once (skinny_linear.cpp)");
 }
