@@ -215,6 +215,8 @@ def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> No
     if can_fuse_norms(model):  # bfloat16 on the CPU: RMSNorm in one C++ pass
         logger.info("fused %d bfloat16 RMSNorm layers", fuse_rms_norms(model))
     if can_pack_float32(model, float32_linear):  # float32 where MKL is slow: every linear, oneDNN
+        if use_skinny_linears(model, packed=True):  # first: packing leaves the swapped head alone
+            logger.info("the float32 LM head runs 1-8 rows through the skinny kernel")
         logger.info("packed %d float32 linear layers for oneDNN", pack_linears(model))
     elif can_use_skinny_linears(model) and use_skinny_linears(model):  # float32: the LM head
         logger.info("the float32 LM head runs 2-12 rows through the skinny kernel")

@@ -20,7 +20,7 @@ from pagedserve.engine.packed_linear import (
     float32_linear_backend,
     pack_linears,
 )
-from pagedserve.engine.skinny_linear import SkinnyLinear
+from pagedserve.engine.skinny_linear import PACKED_ROWS, SkinnyLinear
 from tests.engine.conftest import hugging_face_linears, make_tiny_model
 
 needs_native_bf16 = pytest.mark.skipif(
@@ -119,7 +119,10 @@ def test_the_loader_packs_float32_for_onednn_or_keeps_mkl_with_the_skinny_head(
 
     onednn = load("onednn")
     assert isinstance(onednn.model.layers[0].self_attn.q_proj, PackedLinear)
-    assert isinstance(onednn.lm_head, PackedLinear)  # oneDNN's head beats the skinny kernel
+    # The head: 1-8 rows through the skinny kernel (it beats oneDNN's there), the rest packed.
+    assert isinstance(onednn.lm_head, SkinnyLinear)
+    assert (onednn.lm_head.min_rows, onednn.lm_head.max_rows) == PACKED_ROWS
+    assert isinstance(onednn.lm_head.fallback, PackedLinear)
     assert onednn.lm_head.weight is onednn.model.embed_tokens.weight
     mkl = load("mkl")
     assert type(mkl.model.layers[0].self_attn.q_proj) is nn.Linear

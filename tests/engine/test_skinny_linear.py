@@ -11,9 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.cache.attention.cpu import host_runnable_isas, load_cpu_kernel
+from pagedserve.engine.packed_linear import PackedLinear, pack_linears
 from pagedserve.engine.skinny_linear import (
     MAX_ROWS,
     MIN_ROWS,
+    PACKED_ROWS,
     SkinnyLinear,
     can_use_skinny_linears,
     use_skinny_linears,
@@ -91,6 +93,40 @@ def test_only_the_lm_head_of_a_float32_model_is_swapped_and_ties_stay(family, de
         assert model.lm_head.weight is model.model.embed_tokens.weight
     assert use_skinny_linears(model) == 0  # already swapped: nothing left to do
     assert not can_use_skinny_linears(model.to(torch.bfloat16))
+
+
+def test_a_packed_model_sends_1_to_8_rows_to_the_kernel_and_the_rest_to_a_packed_head(
+    default_tokenizer, monkeypatch
+):
+    model = make_tiny_model("llama-gqa", default_tokenizer).model
+    head_weight = model.lm_head.weight
+    assert use_skinny_linears(model, packed=True) == 1
+    num_packed = pack_linears(model)
+    head = model.lm_head
+    assert isinstance(head, SkinnyLinear) and isinstance(head.fallback, PackedLinear)
+    assert head.weight is head_weight and (head.min_rows, head.max_rows) == PACKED_ROWS
+    assert num_packed == sum(isinstance(m, PackedLinear) for m in model.modules()) - 1
+    calls: list[int] = []
+    kernel = head._kernel
+
+    class Counting:
+        def skinny_linear_fp32(self, x, weight):
+            calls.append(x.numel() // x.shape[-1])
+            return kernel.skinny_linear_fp32(x, weight)
+
+    monkeypatch.setattr(head, "_kernel", Counting())
+    with torch.inference_mode():
+        for rows in (1, PACKED_ROWS[1], PACKED_ROWS[1] + 1, 64):
+            x = torch.randn(rows, head.in_features)
+            expected = head.fallback(x)
+            got = head(x)
+            assert_float32_close(got, x, head_weight)
+            if rows > PACKED_ROWS[1]:
+                assert torch.equal(got, expected)  # oneDNN's packed head itself
+    assert calls == [1, PACKED_ROWS[1]]
+    with hugging_face_linears(model):  # references still get Hugging Face's head
+        assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is head_weight
+    assert model.lm_head is head
 
 
 def test_a_reference_runs_hugging_faces_head_and_the_skinny_one_comes_back(default_tokenizer):
