@@ -55,19 +55,23 @@ def test_the_kernel_keeps_leading_dimensions_reads_views_and_refuses_what_it_can
         kernel.skinny_linear_fp32(torch.randn(2, 63), weight)
 
 
-def test_the_module_uses_the_kernel_only_for_decode_sized_batches(monkeypatch):
+class CountingKernel:
+    """The extension's skinny kernel, recording how many rows each call got."""
+
+    def __init__(self, kernel, calls: list[int]) -> None:
+        self._kernel, self._calls = kernel, calls
+
+    def skinny_linear_fp32(self, x, weight):
+        self._calls.append(x.numel() // x.shape[-1])
+        return self._kernel.skinny_linear_fp32(x, weight)
+
+
+def test_the_module_uses_the_kernel_only_for_decode_sized_batches():
     linear = nn.Linear(64, 48)
     skinny = SkinnyLinear(linear, load_cpu_kernel())
     assert skinny.weight is linear.weight and skinny.bias is linear.bias
     calls: list[int] = []
-    kernel = skinny._kernel
-
-    class Counting:
-        def skinny_linear_fp32(self, x, weight):
-            calls.append(x.numel() // x.shape[-1])
-            return kernel.skinny_linear_fp32(x, weight)
-
-    skinny._kernel = Counting()
+    skinny._kernel = CountingKernel(skinny._kernel, calls)
     with torch.inference_mode():
         for rows in (1, MIN_ROWS, MAX_ROWS, MAX_ROWS + 1, 300):
             x = torch.randn(rows, 64)
@@ -96,7 +100,7 @@ def test_only_the_lm_head_of_a_float32_model_is_swapped_and_ties_stay(family, de
 
 
 def test_a_packed_model_sends_1_to_8_rows_to_the_kernel_and_the_rest_to_a_packed_head(
-    default_tokenizer, monkeypatch
+    default_tokenizer,
 ):
     model = make_tiny_model("llama-gqa", default_tokenizer).model
     head_weight = model.lm_head.weight
@@ -107,14 +111,7 @@ def test_a_packed_model_sends_1_to_8_rows_to_the_kernel_and_the_rest_to_a_packed
     assert head.weight is head_weight and (head.min_rows, head.max_rows) == PACKED_ROWS
     assert num_packed == sum(isinstance(m, PackedLinear) for m in model.modules()) - 1
     calls: list[int] = []
-    kernel = head._kernel
-
-    class Counting:
-        def skinny_linear_fp32(self, x, weight):
-            calls.append(x.numel() // x.shape[-1])
-            return kernel.skinny_linear_fp32(x, weight)
-
-    monkeypatch.setattr(head, "_kernel", Counting())
+    head._kernel = CountingKernel(head._kernel, calls)
     with torch.inference_mode():
         for rows in (1, PACKED_ROWS[1], PACKED_ROWS[1] + 1, 64):
             x = torch.randn(rows, head.in_features)
