@@ -214,12 +214,18 @@ def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> No
         logger.info("packed %d bfloat16 linear layers for oneDNN", pack_linears(model))
     if can_fuse_norms(model):  # bfloat16 on the CPU: RMSNorm in one C++ pass
         logger.info("fused %d bfloat16 RMSNorm layers", fuse_rms_norms(model))
-    if can_pack_float32(model, float32_linear):  # float32 where MKL is slow: every linear, oneDNN
-        if use_skinny_linears(model, packed=True):  # first: packing leaves the swapped head alone
-            logger.info("the float32 LM head runs 1-8 rows through the skinny kernel")
+    # float32: every linear on oneDNN where MKL is slow, and the LM head's decode-sized batches
+    # through the skinny kernel (swapped first: packing leaves the swapped head alone).
+    packed = can_pack_float32(model, float32_linear)
+    if can_use_skinny_linears(model) and use_skinny_linears(model, packed=packed):
+        head = model.get_output_embeddings()
+        logger.info(
+            "the float32 LM head runs %d-%d rows through the skinny kernel",
+            head.min_rows,
+            head.max_rows,
+        )
+    if packed:
         logger.info("packed %d float32 linear layers for oneDNN", pack_linears(model))
-    elif can_use_skinny_linears(model) and use_skinny_linears(model):  # float32: the LM head
-        logger.info("the float32 LM head runs 2-12 rows through the skinny kernel")
 
 
 def _max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:

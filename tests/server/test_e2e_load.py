@@ -282,9 +282,11 @@ def test_64_concurrent_streams_end_with_done_while_health_stays_fast(url):
     )
     assert prober.stdout is not None and prober.stdout.readline() == "ready\n"
     started = time.monotonic()
-    results = asyncio.run(_run_streams(url))
-    elapsed_s = time.monotonic() - started
-    output, _ = prober.communicate(timeout=30)  # closing its stdin stops it
+    try:
+        results = asyncio.run(_run_streams(url))
+        elapsed_s = time.monotonic() - started
+    finally:
+        output, _ = prober.communicate(timeout=30)  # closing its stdin stops it
     assert prober.returncode == 0, output
     health_latencies = json.loads(output)
     print(
