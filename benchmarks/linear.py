@@ -7,8 +7,10 @@ process so machine noise hits both alike; median of `--repeats`. Also checks the
 bit-identical. bfloat16 runs only where `pack_linears` applies (a CPU with AVX512_BF16 or AMX).
 
 float32 times cold weights, as a decode step meets them: each call cycles through 30 copies of the
-layer's weight (the model's 30 layers; 2 of the LM head), and reports the largest error relative to
-the summed magnitudes (the kernel sums in another order than MKL, so not bit-identical).
+layer's weight (the model's 30 layers; 2 of the LM head), against the host's float32 linear as the
+loader runs it (`F.linear`, i.e. MKL, or oneDNN's packed linear where `--cpu-float32-linear auto`
+picks it), and reports the largest error relative to the summed magnitudes (the kernel sums in
+another order, so not bit-identical). The kernel's row range is forced to every row count here.
 
     python -m pagedserve.benchmarks.linear [--dtype bfloat16|float32] [--rows 1 16 64 512]
         [--threads 1] [--repeats 30]
@@ -31,8 +33,8 @@ from pagedserve.benchmarks.workload import (
     time_interleaved,
     write_results,
 )
-from pagedserve.engine.packed_linear import PackedLinear, can_pack
-from pagedserve.engine.skinny_linear import MAX_ROWS, SkinnyLinear
+from pagedserve.engine.packed_linear import PackedLinear, can_pack, float32_linear_backend
+from pagedserve.engine.skinny_linear import SkinnyLinear
 
 SHAPES = {  # name: (out_features, in_features), SmolLM2-135M
     "q_proj/o_proj": (576, 576),
@@ -73,14 +75,17 @@ def bench_shape(out_features: int, in_features: int, rows: int, repeats: int) ->
     }
 
 
-def bench_skinny(out_features: int, in_features: int, rows: int, repeats: int) -> dict[str, Any]:
+def bench_skinny(
+    out_features: int, in_features: int, rows: int, repeats: int, backend: str
+) -> dict[str, Any]:
     from pagedserve.cache.attention.cpu import load_cpu_kernel
 
     copies = 2 if out_features * in_features > 10_000_000 else 30
     generator = torch.Generator().manual_seed(rows)
     linears = [nn.Linear(in_features, out_features, bias=False) for _ in range(copies)]
+    baselines = [PackedLinear(linear) if backend == "onednn" else linear for linear in linears]
     kernel = load_cpu_kernel()
-    skinny = [SkinnyLinear(linear, kernel) for linear in linears]
+    skinny = [SkinnyLinear(linear, kernel, rows=(1, 16)) for linear in linears]
     x = torch.randn(rows, in_features, generator=generator)
 
     def run(modules: list[nn.Module]) -> None:
@@ -88,7 +93,7 @@ def bench_skinny(out_features: int, in_features: int, rows: int, repeats: int) -
             module(x)
 
     with torch.inference_mode():
-        candidates = {"linear": lambda: run(linears), "skinny": lambda: run(skinny)}
+        candidates = {"linear": lambda: run(baselines), "skinny": lambda: run(skinny)}
         times = time_interleaved(candidates, repeats)
         scale = x.abs() @ linears[0].weight.abs().T
         error = ((skinny[0](x) - linears[0](x)).abs() / scale).max().item()
@@ -97,31 +102,35 @@ def bench_skinny(out_features: int, in_features: int, rows: int, repeats: int) -
         "out_features": out_features,
         "in_features": in_features,
         "rows": rows,
+        "backend": backend,
         "linear_us": plain_s * 1e6,
         "skinny_us": skinny_s * 1e6,
         "speedup": plain_s / skinny_s,
+        "weight_gb_per_s": out_features * in_features * 4 / skinny_s / 1e9,
         "max_relative_error": error,
     }
 
 
 def main_float32(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
+    backend = float32_linear_backend("auto")
     print(
         f"float32 linear, cold weights, threads={torch.get_num_threads()}, median of "
-        f"{args.repeats}; the module uses the kernel at 2-{MAX_ROWS} rows, F.linear otherwise"
+        f"{args.repeats}; the host's float32 linear ({backend}) against the skinny kernel"
     )
     print(
-        f"{'layer':<14} {'shape':>11} {'rows':>5} {'linear us':>10} {'skinny us':>10} {'x':>6}"
-        f" {'max rel err':>12}"
+        f"{'layer':<14} {'shape':>11} {'rows':>5} {backend + ' us':>10} {'skinny us':>10} "
+        f"{'x':>6} {'GB/s':>5} {'max rel err':>12}"
     )
     for name, (out_features, in_features) in SHAPES.items():
         for num_rows in args.rows or [1, 2, 4, 8, 12, 16]:
-            row = {"layer": name, **bench_skinny(out_features, in_features, num_rows, args.repeats)}
+            result = bench_skinny(out_features, in_features, num_rows, args.repeats, backend)
+            row = {"layer": name, **result}
             rows.append(row)
             print(
                 f"{name:<14} {out_features:>5}x{in_features:<5} {num_rows:>5} "
                 f"{row['linear_us']:>10.1f} {row['skinny_us']:>10.1f} {row['speedup']:>5.2f}x"
-                f" {row['max_relative_error']:>12.1e}"
+                f" {row['weight_gb_per_s']:>5.1f} {row['max_relative_error']:>12.1e}"
             )
     write_results(args.output, args, rows)
     return rows

@@ -33,7 +33,11 @@ from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 from pagedserve.engine.fused_mlp import can_fuse_mlps, fuse_mlps
 from pagedserve.engine.fused_norm import can_fuse_norms, fuse_rms_norms
 from pagedserve.engine.packed_linear import can_pack, can_pack_float32, pack_linears
-from pagedserve.engine.skinny_linear import can_use_skinny_linears, use_skinny_linears
+from pagedserve.engine.skinny_linear import (
+    SkinnyLinear,
+    can_use_skinny_linears,
+    use_skinny_linears,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -214,18 +218,40 @@ def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> No
         logger.info("packed %d bfloat16 linear layers for oneDNN", pack_linears(model))
     if can_fuse_norms(model):  # bfloat16 on the CPU: RMSNorm in one C++ pass
         logger.info("fused %d bfloat16 RMSNorm layers", fuse_rms_norms(model))
-    # float32: every linear on oneDNN where MKL is slow, and the LM head's decode-sized batches
-    # through the skinny kernel (swapped first: packing leaves the swapped head alone).
+    # float32: every linear on oneDNN where MKL is slow, and decode-sized batches through the
+    # skinny kernel: the LM head's, or every layer's on AVX2-only CPUs (swapped first: packing
+    # leaves swapped layers alone, and each keeps a packed copy of its own for larger batches).
     packed = can_pack_float32(model, float32_linear)
-    if can_use_skinny_linears(model) and use_skinny_linears(model, packed=packed):
-        head = model.get_output_embeddings()
-        logger.info(
-            "the float32 LM head runs %d-%d rows through the skinny kernel",
-            head.min_rows,
-            head.max_rows,
-        )
-    if packed:
-        logger.info("packed %d float32 linear layers for oneDNN", pack_linears(model))
+    if can_use_skinny_linears(model):
+        swapped = use_skinny_linears(model, packed=packed)
+        if swapped:
+            rows = {
+                (m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, SkinnyLinear)
+            }
+            logger.info(
+                "%d float32 linear layer(s) run %s rows through the skinny kernel%s",
+                swapped,
+                " or ".join(f"{low}-{high}" for low, high in sorted(rows)),
+                f" ({_plain_weight_mib(model):.0f} MiB of plain weights kept for it)"
+                if packed
+                else "",
+            )
+    if packed and (num_packed := pack_linears(model)):
+        logger.info("packed %d float32 linear layers for oneDNN", num_packed)
+
+
+def _plain_weight_mib(model: torch.nn.Module) -> float:
+    """Memory the skinny kernel's plain weights take beside the oneDNN copies of the same layers
+    (shared embedding weights not counted: they exist anyway)."""
+    embeddings = {
+        id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()
+    }
+    weights = {
+        id(m.weight): m.weight
+        for m in model.modules()
+        if isinstance(m, SkinnyLinear) and m.fallback is not None and id(m.weight) not in embeddings
+    }
+    return sum(w.numel() * w.element_size() for w in weights.values()) / 2**20
 
 
 def _max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:

@@ -1,24 +1,33 @@
-"""The float32 LM head on CPU: decode-sized batches (2-12 rows) through the C++ kernel in
-cache/attention/csrc/skinny_linear.cpp, everything else through `F.linear` as before; where the
-float32 linears are packed for oneDNN (x86 CPUs MKL is slow on), 1-8 rows through the kernel and
-the rest through the head's packed copy.
+"""float32 CPU linears at decode-sized batches through the C++ kernel in
+cache/attention/csrc/skinny_linear.cpp, everything else through `F.linear` or oneDNN as before.
 
-At decode time the head multiplies a handful of rows (one per sequence sampled) by the largest
-matrix of a small model (49,152 x 576 floats, 113 MB, a fifth of the default model's weights), so
-it should cost what reading that weight costs. MKL (behind `F.linear` in float32) manages that
-for one row (4.2 ms), but its GEMM path took 8.9 / 14.7 / 21.8 ms for 4 / 8 / 12 rows; the kernel,
-streaming the weight once for all the rows, 6.0 / 8.2 / 10.4 ms (1.5x / 1.8x / 2.1x; two threads,
-Sapphire Rapids; `benchmarks/linear.py --dtype float32`). A decode step at batch 4-8 is ~5% faster.
-Since the kernel prefetches its weight into L2: 4.2 / 4.3 / 4.8 / 7.1 ms at 1 / 4 / 8 / 12 rows on
-a 2-core Zen 4, where oneDNN's packed head takes 6.3 / 5.0 / 5.9 / 6.7 ms.
+Which layers, by host:
+- MKL's float32 (Intel CPUs): the LM head only, at 2-12 rows.
+- oneDNN's packed float32 (x86 CPUs MKL is slow on) with AVX-512: the LM head only, at 1-8 rows;
+  the rest of its batches through the head's packed copy.
+- oneDNN's packed float32 on an AVX2-only CPU: every linear, at 1-16 rows.
 
-The head only, on purpose. The kernel sums in another order than MKL (float32 rounding apart), and
-upstream of the head such a difference reaches the K/V cache, where an fp8 cache's 3-bit mantissa
-turns it into a different token (measured: tests/engine/test_kv_cache_dtype.py failed with the
-kernel on every linear). Past the head only the argmax and the logprobs see it, as they see
-batching, and the float32 greedy equality tests with Hugging Face's `generate` still hold. On the
-other layers the kernel was at best 1.5x MKL (q/k/v/o at 4-8 rows) and even elsewhere. The module
-keeps the same weight Parameter (a tied head stays tied, the state dict is unchanged).
+At decode time a linear multiplies a handful of rows (one per sequence) by its weight, so it
+should cost what reading that weight costs. Cold weights (30 copies of each layer, 2 of the head),
+two threads, interleaved (`/tmp` A/B on the default model's shapes, oneDNN packed against the
+kernel):
+- The head (49,152 x 576 floats, 113 MB, a fifth of the default model's weights). MKL: 4.2 ms at
+  one row, but 8.9 / 14.7 / 21.8 ms for 4 / 8 / 12 rows, against the kernel's 6.0 / 8.2 / 10.4
+  (Sapphire Rapids). With the kernel prefetching its weight into L2, a 2-core Zen 4: 4.2 / 4.3 /
+  4.8 / 7.1 ms at 1 / 4 / 8 / 12 rows, oneDNN 6.3 / 5.0 / 5.9 / 6.7.
+- Every layer on a 2-core Zen 3 (AVX2 only), where oneDNN streams these small weights at 4-13
+  GB/s and the kernel at 10-21 (read pass 23): 1.4-2.6x at 1-8 rows (q/o 576x576 160 -> 87 us,
+  gate/up 1536x576 285 -> 209 us at one row), 1.1-1.8x at 12-16, the head 1.06-1.2x. A batch-1
+  decode step's linears: 46 -> 31 ms. Not measured on the other layers with AVX-512, so not used
+  there.
+
+The kernel sums in another order than MKL or oneDNN (float32 rounding apart), and each row's result
+does not depend on the other rows. Upstream of the head such a difference reaches the K/V cache,
+where an fp8 cache's 3-bit mantissa can flip a rounding; tests/engine/test_kv_cache_dtype.py checks
+fp8 tokens by teacher forcing for that reason (it failed free-running with the kernel on every
+linear, as it did with MKL's and oneDNN's own batch-dependent rows). The modules keep the same
+weight Parameter (a tied head stays tied, the state dict is unchanged); where they fall back to
+oneDNN, that packed copy is extra memory, logged at load.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagedserve.cache.attention.cpu_features import host_cpu_flags
 from pagedserve.engine.module_swap import (
     cpu_kernel_or_none,
     is_cpu_model,
@@ -44,6 +54,9 @@ MIN_ROWS, MAX_ROWS = 2, 12
 # where the kernel beats oneDNN's packed head: 1.5x / 1.2x / 1.2x at 1 / 4 / 8 rows, even at 12
 # (the weight evicted before each call, two threads, Zen 4).
 PACKED_ROWS = (1, 8)
+# On an AVX2-only CPU with packed linears, every layer's rows where the kernel beats oneDNN: all
+# of them up to the kernel's limit (1.1-1.8x at 12-16 rows, Zen 3).
+EVERY_LAYER_ROWS = (1, 16)
 
 
 class SkinnyLinear(nn.Module):
@@ -87,31 +100,52 @@ def can_use_skinny_linears(model: nn.Module) -> bool:
 
 
 def use_skinny_linears(
-    model: nn.Module, kernel: ModuleType | None = None, packed: bool = False
+    model: nn.Module,
+    kernel: ModuleType | None = None,
+    packed: bool = False,
+    every_layer: bool | None = None,
 ) -> int:
-    """Swap the LM head of a float32 CPU model for a `SkinnyLinear`; returns 1 if it was, else 0.
+    """Swap the LM head of a float32 CPU model (with `every_layer`, every `nn.Linear`) for a
+    `SkinnyLinear`; returns how many were swapped.
 
     `packed`: the model's linears are about to be packed for oneDNN (`pack_linears`, which leaves
-    the swapped head alone); the head then sends 1-8 rows to the kernel and the rest to its own
-    packed copy. `kernel` defaults to the host's CPU extension build; if it cannot be built the
-    model keeps its head, with a warning. A head whose kernel output is not within float32
-    rounding of `F.linear` on a probe input is left as it is (and logged).
+    swapped modules alone); each swapped layer then sends its decode-sized batches to the kernel
+    and the rest to its own packed copy. `every_layer` applies only with `packed`; it defaults to
+    the host having AVX2 but not AVX-512 (module docstring). `kernel` defaults to the host's CPU
+    extension build; if it cannot be built the model keeps its linears, with a warning. A layer
+    whose kernel output is not within float32 rounding of `F.linear` on a probe input is left as
+    it is (and logged).
     """
+    if every_layer is None:
+        every_layer = packed and skinny_every_layer_on(host_cpu_flags())
+    if every_layer and not packed:
+        raise ValueError("every_layer needs packed: MKL's float32 layers are left as they are")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not nn.Linear:
+    if every_layer:
+        targets = {id(m) for m in model.modules() if type(m) is nn.Linear}
+    else:
+        targets = {id(head)} if type(head) is nn.Linear else set()
+    if not targets:
         return 0
-    kernel = kernel or cpu_kernel_or_none("the float32 LM head left as it is")
+    kernel = kernel or cpu_kernel_or_none("the float32 linears left as they are")
     if kernel is None:
         return 0
 
     def skinny(child: nn.Module) -> SkinnyLinear | None:
-        if child is not head:
+        if id(child) not in targets:
             return None
         if not packed:
             return SkinnyLinear(child, kernel)
-        return SkinnyLinear(child, kernel, PACKED_ROWS, PackedLinear(child, keep_weight=True))
+        rows = EVERY_LAYER_ROWS if every_layer else PACKED_ROWS
+        return SkinnyLinear(child, kernel, rows, PackedLinear(child, keep_weight=True))
 
     return swap_verified(model, skinny, _close_to_linear, "the skinny kernel")
+
+
+def skinny_every_layer_on(flags: frozenset[str]) -> bool:
+    """Whether a CPU with these flags runs every packed float32 linear's decode-sized batches
+    through the kernel: measured faster than oneDNN on AVX2-only (Zen 3), not measured beyond."""
+    return "avx2" in flags and "avx512f" not in flags
 
 
 def _close_to_linear(linear: nn.Linear, skinny: SkinnyLinear) -> bool:

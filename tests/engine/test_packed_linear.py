@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
+from pagedserve.engine import skinny_linear
 from pagedserve.engine.model_loader import load_model
 from pagedserve.engine.packed_linear import (
     PackedLinear,
@@ -20,7 +21,7 @@ from pagedserve.engine.packed_linear import (
     float32_linear_backend,
     pack_linears,
 )
-from pagedserve.engine.skinny_linear import PACKED_ROWS, SkinnyLinear
+from pagedserve.engine.skinny_linear import EVERY_LAYER_ROWS, PACKED_ROWS, SkinnyLinear
 from tests.engine.conftest import hugging_face_linears, make_tiny_model
 
 needs_native_bf16 = pytest.mark.skipif(
@@ -110,18 +111,29 @@ def test_packed_float32_model_stays_within_rounding_and_gives_hf_its_linears_bac
     assert isinstance(packed.model.layers[0].mlp.down_proj, PackedLinear)  # and back again
 
 
+@pytest.mark.parametrize(
+    ("flags", "skinny_layers"),
+    [(frozenset({"avx2", "fma", "avx512f"}), "head"), (frozenset({"avx2", "fma"}), "every layer")],
+)
 def test_the_loader_packs_float32_for_onednn_or_keeps_mkl_with_the_skinny_head(
-    default_model_path,
+    default_model_path, monkeypatch, flags, skinny_layers
 ):
     def load(setting: str) -> nn.Module:
         config = ModelConfig(model=DEFAULT_MODEL, dtype="float32", cpu_float32_linear=setting)
         return load_model(config, "cpu").model
 
+    monkeypatch.setattr(skinny_linear, "host_cpu_flags", lambda: flags)
     onednn = load("onednn")
-    assert isinstance(onednn.model.layers[0].self_attn.q_proj, PackedLinear)
-    # The head: 1-8 rows through the skinny kernel (it beats oneDNN's there), the rest packed.
+    q_proj = onednn.model.layers[0].self_attn.q_proj
+    if skinny_layers == "head":  # AVX-512: the head's 1-8 rows through the kernel, the rest packed
+        assert isinstance(q_proj, PackedLinear)
+        rows = PACKED_ROWS
+    else:  # AVX2 only: every layer's 1-16 rows through the kernel, the rest to its packed copy
+        assert isinstance(q_proj, SkinnyLinear) and isinstance(q_proj.fallback, PackedLinear)
+        assert (q_proj.min_rows, q_proj.max_rows) == EVERY_LAYER_ROWS
+        rows = EVERY_LAYER_ROWS
     assert isinstance(onednn.lm_head, SkinnyLinear)
-    assert (onednn.lm_head.min_rows, onednn.lm_head.max_rows) == PACKED_ROWS
+    assert (onednn.lm_head.min_rows, onednn.lm_head.max_rows) == rows
     assert isinstance(onednn.lm_head.fallback, PackedLinear)
     assert onednn.lm_head.weight is onednn.model.embed_tokens.weight
     mkl = load("mkl")

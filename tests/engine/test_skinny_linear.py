@@ -1,7 +1,8 @@
 """The float32 skinny linear kernel: within float32 rounding of `F.linear` at every row count it
 takes, on every ISA build the host runs, for K that ends in a partial vector and odd N; the module
 sends one row and prefill chunks to `F.linear` unchanged and keeps the weight Parameter (a tied
-head stays tied); the loader swaps the LM head of float32 models only, and references run HF's."""
+head stays tied); the loader swaps the LM head of float32 models (every layer where oneDNN's packed copies take
+larger batches on an AVX2-only CPU), and references run HF's."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from torch import nn
 from pagedserve.cache.attention.cpu import host_runnable_isas, load_cpu_kernel
 from pagedserve.engine.packed_linear import PackedLinear, pack_linears
 from pagedserve.engine.skinny_linear import (
+    EVERY_LAYER_ROWS,
     MAX_ROWS,
     MIN_ROWS,
     PACKED_ROWS,
     SkinnyLinear,
     can_use_skinny_linears,
+    skinny_every_layer_on,
     use_skinny_linears,
 )
 from tests.engine.conftest import hugging_face_linears, make_tiny_model
@@ -104,7 +107,7 @@ def test_a_packed_model_sends_1_to_8_rows_to_the_kernel_and_the_rest_to_a_packed
 ):
     model = make_tiny_model("llama-gqa", default_tokenizer).model
     head_weight = model.lm_head.weight
-    assert use_skinny_linears(model, packed=True) == 1
+    assert use_skinny_linears(model, packed=True, every_layer=False) == 1
     num_packed = pack_linears(model)
     head = model.lm_head
     assert isinstance(head, SkinnyLinear) and isinstance(head.fallback, PackedLinear)
@@ -124,6 +127,50 @@ def test_a_packed_model_sends_1_to_8_rows_to_the_kernel_and_the_rest_to_a_packed
     with hugging_face_linears(model):  # references still get Hugging Face's head
         assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is head_weight
     assert model.lm_head is head
+
+
+def test_every_layer_sends_decode_batches_to_the_kernel_and_the_rest_to_its_packed_copy(
+    default_tokenizer,
+):
+    model = make_tiny_model("llama-gqa", default_tokenizer).model
+    linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+    probe = torch.randint(0, model.config.vocab_size, (1, 24))
+    with torch.inference_mode():
+        expected_logits = model(probe).logits
+    assert use_skinny_linears(model, packed=True, every_layer=True) == len(linears)
+    assert pack_linears(model) == 0  # nothing plain left to pack
+    swapped = dict(model.named_modules())
+    for name, linear in linears.items():
+        layer = swapped[name]
+        assert isinstance(layer, SkinnyLinear) and isinstance(layer.fallback, PackedLinear)
+        assert (
+            layer.weight is linear.weight and (layer.min_rows, layer.max_rows) == EVERY_LAYER_ROWS
+        )
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    calls: list[int] = []
+    for layer in swapped.values():
+        if isinstance(layer, SkinnyLinear):
+            layer._kernel = CountingKernel(layer._kernel, calls)
+    with torch.inference_mode():
+        logits = model(probe).logits  # 24 rows: every layer's packed copy
+        assert calls == []
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+        model(probe[:, : EVERY_LAYER_ROWS[1]])  # 16 rows: every layer through the kernel
+    assert calls and set(calls) == {EVERY_LAYER_ROWS[1]}
+    assert len(calls) == len(linears)
+    with hugging_face_linears(model):
+        assert not any(isinstance(m, SkinnyLinear) for m in model.modules())
+    assert all(isinstance(swapped[name], SkinnyLinear) for name in linears)
+
+
+def test_every_layer_needs_packed_layers_and_is_the_default_on_avx2_only_cpus(default_tokenizer):
+    model = make_tiny_model("llama-gqa", default_tokenizer).model
+    with pytest.raises(ValueError, match="needs packed"):
+        use_skinny_linears(model, every_layer=True)
+    assert skinny_every_layer_on(frozenset({"avx2", "fma"}))
+    assert not skinny_every_layer_on(frozenset({"avx2", "fma", "avx512f"}))
+    assert not skinny_every_layer_on(frozenset({"neon"}))
 
 
 def test_a_reference_runs_hugging_faces_head_and_the_skinny_one_comes_back(default_tokenizer):
