@@ -38,6 +38,11 @@ from pagedserve.engine.skinny_linear import (
     can_use_skinny_linears,
     use_skinny_linears,
 )
+from pagedserve.engine.widened_linear import (
+    can_widen_linears,
+    widen_linears,
+    widened_weight_mib,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +158,9 @@ def resolve_dtype(
     """The dtype the weights compute in; `cpu_flags` default to the host's.
 
     `auto` is bfloat16 on CUDA and on a CPU with native bf16 dot products (AVX512_BF16 or AMX),
-    float32 on any other CPU: there bf16 matmuls are emulated through float32 and 3-4x slower.
-    An explicit bfloat16 is honoured everywhere, with a warning naming what the CPU lacks.
+    float32 on any other CPU: there a bf16 model's linears multiply in float32 from float32 copies
+    of their weights (widened_linear.py), so bf16 saves no weight memory. An explicit bfloat16 is
+    honoured everywhere, with a warning naming what the CPU lacks.
     """
     if device.type != "cpu":
         return torch.bfloat16 if dtype == "auto" else TORCH_DTYPES[dtype]
@@ -163,8 +169,9 @@ def resolve_dtype(
         return torch.float32 if missing else torch.bfloat16
     if dtype == "bfloat16" and missing:
         logger.warning(
-            "dtype bfloat16 on a CPU without native bf16 (no %s): its matmuls are emulated, "
-            "typically 3-4x slower than float32 (--dtype auto picks float32 here)",
+            "dtype bfloat16 on a CPU without native bf16 (no %s): its linears multiply in float32 "
+            "from float32 copies of the weights, so weights take float32's memory "
+            "(--dtype auto picks float32 here)",
             " or ".join(missing),
         )
     return TORCH_DTYPES[dtype]
@@ -216,11 +223,18 @@ def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> No
         logger.info("fused %d bfloat16 MLP layers", fuse_mlps(model))
     if can_pack(model):  # bfloat16 on a CPU with native bf16: oneDNN's layout, reordered once
         logger.info("packed %d bfloat16 linear layers for oneDNN", pack_linears(model))
+    if can_widen_linears(model):  # bfloat16 on a CPU without native bf16: multiply in float32
+        logger.info(
+            "%d bfloat16 linear layers multiply in float32 (this CPU has no native bf16): "
+            "%.0f MiB of float32 weight copies",
+            widen_linears(model),
+            widened_weight_mib(model),
+        )
     if can_fuse_norms(model):  # bfloat16 on the CPU: RMSNorm in one C++ pass
         logger.info("fused %d bfloat16 RMSNorm layers", fuse_rms_norms(model))
-    # float32: every linear on oneDNN where MKL is slow, and decode-sized batches through the
-    # skinny kernel: the LM head's, or every layer's on AVX2-only CPUs (swapped first: packing
-    # leaves swapped layers alone, and each keeps a packed copy of its own for larger batches).
+    # float32 (and widened bfloat16) linears: oneDNN where MKL is slow, and decode-sized batches
+    # through the skinny kernel: the LM head's, or every layer's on AVX2-only CPUs (swapped first:
+    # packing leaves swapped layers alone, and each keeps a packed copy for larger batches).
     packed = can_pack_float32(model, float32_linear)
     if can_use_skinny_linears(model):
         swapped = use_skinny_linears(model, packed=packed)

@@ -34,10 +34,10 @@ from pagedserve.cache.attention.cpu_features import (
 )
 from pagedserve.engine.module_swap import (
     is_bfloat16_cpu_model,
-    is_cpu_model,
     swap_verified,
     within_float32_rounding,
 )
+from pagedserve.engine.widened_linear import computes_linears_in_float32
 
 X86_MACHINES = ("x86_64", "AMD64")
 
@@ -86,10 +86,11 @@ def float32_linear_backend(
 
 
 def can_pack_float32(model: nn.Module, setting: str = "auto") -> bool:
-    """Whether `pack_linears` applies to a float32 model: on the CPU, `setting` (the config's
-    `cpu_float32_linear`) resolves to onednn, and torch has oneDNN's linear."""
+    """Whether `pack_linears` applies to a float32 model (or a bfloat16 one whose linears compute
+    in float32, widened_linear.py): on the CPU, `setting` (the config's `cpu_float32_linear`)
+    resolves to onednn, and torch has oneDNN's linear."""
     return (
-        is_cpu_model(model, torch.float32)
+        computes_linears_in_float32(model)
         and float32_linear_backend(setting) == "onednn"
         and _has_onednn_linear()
     )
@@ -116,7 +117,11 @@ def pack_linears(model: nn.Module) -> int:
             return None
         return PackedLinear(child, keep_weight=id(child.weight) in tied)
 
-    agrees = _same_output if is_bfloat16_cpu_model(model) else _within_rounding
+    def agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
+        if linear.weight.dtype == torch.bfloat16:
+            return _same_output(linear, packed)
+        return _within_rounding(linear, packed)
+
     return swap_verified(model, packed, agrees, "oneDNN's packed linear")
 
 

@@ -41,11 +41,11 @@ from torch import Tensor, nn
 from pagedserve.cache.attention.cpu_features import host_cpu_flags
 from pagedserve.engine.module_swap import (
     cpu_kernel_or_none,
-    is_cpu_model,
     swap_verified,
     within_float32_rounding,
 )
 from pagedserve.engine.packed_linear import PackedLinear
+from pagedserve.engine.widened_linear import WidenedLinear, computes_linears_in_float32
 
 # The head's rows where the kernel is at least even with MKL (2 rows: 0.98x; 4-12: 1.5-2.1x). At
 # one row MKL's GEMV is at the memory bound already, and at 16 its GEMM is as fast again (0.94x).
@@ -95,8 +95,9 @@ class SkinnyLinear(nn.Module):
 
 
 def can_use_skinny_linears(model: nn.Module) -> bool:
-    """float32 CPU models (bfloat16 ones pack their weights for oneDNN instead)."""
-    return is_cpu_model(model, torch.float32)
+    """CPU models whose linears multiply in float32: float32 ones, and bfloat16 ones widened on a
+    CPU without native bf16 (others pack their bfloat16 weights for oneDNN instead)."""
+    return computes_linears_in_float32(model)
 
 
 def use_skinny_linears(
@@ -121,10 +122,12 @@ def use_skinny_linears(
     if every_layer and not packed:
         raise ValueError("every_layer needs packed: MKL's float32 layers are left as they are")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if every_layer:
-        targets = {id(m) for m in model.modules() if type(m) is nn.Linear}
-    else:
-        targets = {id(head)} if type(head) is nn.Linear else set()
+    if isinstance(head, WidenedLinear):  # a bfloat16 head that multiplies in float32
+        head = head.inner
+    candidates = [m for m in model.modules() if type(m) is nn.Linear] if every_layer else [head]
+    targets = {
+        id(m) for m in candidates if type(m) is nn.Linear and m.weight.dtype == torch.float32
+    }
     if not targets:
         return 0
     kernel = kernel or cpu_kernel_or_none("the float32 linears left as they are")

@@ -37,6 +37,7 @@ from pagedserve.engine.model_loader import LoadedModel, load_model, resolve_mode
 from pagedserve.engine.module_swap import swap_children
 from pagedserve.engine.packed_linear import PackedLinear
 from pagedserve.engine.skinny_linear import SkinnyLinear
+from pagedserve.engine.widened_linear import WidenedLinear
 from pagedserve.scheduler import SchedulerOutput
 
 # A divergence from HF is accepted only where HF's own best two tokens are this close (logprob).
@@ -194,22 +195,38 @@ def mean_logit_errors(
 
 @contextlib.contextmanager
 def hugging_face_linears(model: torch.nn.Module) -> Iterator[None]:
-    """The model with `nn.Linear` where the loader put a `SkinnyLinear` or a float32
-    `PackedLinear` (same weights), so that a reference is Hugging Face's computation alone; the
-    loader's modules come back afterwards. (bfloat16 packed layers compute HF's bits already.)"""
+    """The model with `nn.Linear` where the loader put a `SkinnyLinear`, a float32 `PackedLinear`
+    or a `WidenedLinear` (the same weights, in the layer's own dtype), so that a reference is
+    Hugging Face's computation alone; the loader's modules come back afterwards. (bfloat16 packed
+    layers compute HF's bits already.)"""
     originals: dict[int, torch.nn.Module] = {}
+    inside_widened = {  # a widened layer's float32 modules go (and come back) with it
+        id(inner)
+        for module in model.modules()
+        if isinstance(module, WidenedLinear)
+        for inner in module.modules()
+        if inner is not module
+    }
 
     def to_linear(name: str, child: torch.nn.Module) -> torch.nn.Module | None:
-        if isinstance(child, SkinnyLinear):
-            weight = child.weight
-        elif isinstance(child, PackedLinear) and child.packed_weight.dtype == torch.float32:
+        if id(child) in inside_widened:
+            return None
+        bias = child.bias if isinstance(child, (SkinnyLinear, PackedLinear)) else None
+        if isinstance(child, WidenedLinear):
+            # The bf16 weight, exactly: its float32 copy rounds back to it.
             weight = getattr(child, "weight", None)
-            if weight is None:  # an untied packed layer keeps only oneDNN's copy
-                weight = torch.nn.Parameter(child.packed_weight.to_dense(), requires_grad=False)
+            if weight is None:
+                weight = _parameter(_float32_weight(child.inner).to(torch.bfloat16))
+            if child.inner.bias is not None:
+                bias = _parameter(child.inner.bias.to(torch.bfloat16))
+        elif isinstance(child, SkinnyLinear) or (
+            isinstance(child, PackedLinear) and child.packed_weight.dtype == torch.float32
+        ):
+            weight = _float32_weight(child)
         else:
             return None
         linear = torch.nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-        linear.weight, linear.bias = weight, child.bias
+        linear.weight, linear.bias = weight, bias
         originals[id(linear)] = child
         return linear
 
@@ -218,6 +235,39 @@ def hugging_face_linears(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         swap_children(model, lambda name, child: originals.get(id(child)))
+
+
+def teacher_forced_shortfalls(
+    model: torch.nn.Module, prompt: list[int], output: list[int], implementation: str = "sdpa"
+) -> torch.Tensor:
+    """How far below Hugging Face's best log-probability each engine token of `output` falls (0
+    where it is HF's argmax), given the prompt and the engine's own earlier tokens: one forward
+    pass of the whole sequence through `implementation`, with HF's linears.
+
+    For outputs that may part from a free-running `generate` at a flipped rounding (a K/V cache in
+    a smaller dtype, bfloat16 sums in another order) yet must stay HF's choices token by token."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(implementation)
+    try:
+        with torch.inference_mode(), hugging_face_linears(model):
+            logits = model(torch.tensor([prompt + output[:-1]])).logits[0, len(prompt) - 1 :]
+    finally:
+        model.set_attn_implementation(previous)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs[torch.arange(len(output)), torch.tensor(output)]
+    return logprobs.max(dim=-1).values - chosen
+
+
+def _float32_weight(module: torch.nn.Module) -> torch.nn.Parameter:
+    """A float32 linear's plain weight, whichever module the loader made of it."""
+    weight = getattr(module, "weight", None)
+    if weight is None:  # an untied packed layer keeps only oneDNN's copy
+        weight = _parameter(module.packed_weight.to_dense())
+    return weight
+
+
+def _parameter(tensor: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(tensor, requires_grad=False)
 
 
 def hf_greedy_reference(

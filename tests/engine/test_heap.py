@@ -16,7 +16,8 @@ def test_freezing_exempts_what_is_alive_and_thawing_returns_it_to_the_collector(
     alive = Node()
     try:
         num_frozen = freeze_startup_objects()
-        assert num_frozen == gc.get_freeze_count() > 0
+        # Frozen objects that die later leave the count (refcounting still frees them).
+        assert 0 < gc.get_freeze_count() <= num_frozen
         assert not any(obj is alive for obj in gc.get_objects())  # the collector skips it
     finally:
         thaw_startup_objects()

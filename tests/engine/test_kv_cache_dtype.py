@@ -27,9 +27,9 @@ from pagedserve.cache.cache_engine import KV_CACHE_DTYPES
 from tests.engine.conftest import (
     add_requests,
     greedy_params,
-    hugging_face_linears,
     make_engine,
     run_to_completion,
+    teacher_forced_shortfalls,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -79,17 +79,13 @@ def _engine_greedy(loaded, kv_cache_dtype: str, prompts: dict[str, list[int]]):
 
 def _shortfalls(loaded, kv_cache_dtype: str, implementation: str) -> list[torch.Tensor]:
     """Per prompt, how far below the reference's best log-probability each of the engine's greedy
-    tokens falls (0 where it is the reference's own argmax), given the engine's own prefix."""
+    tokens falls, given the engine's own prefix."""
     prompts = {f"p{i}": loaded.tokenizer.encode(text) for i, text in enumerate(PROMPTS)}
     token_ids = _engine_greedy(loaded, kv_cache_dtype, prompts)
-    shortfalls = []
-    for request_id, prompt in prompts.items():
-        output = token_ids[request_id]
-        assert len(output) == MAX_NEW_TOKENS
-        logprobs = _teacher_forced_logprobs(loaded.model, prompt, output, implementation)
-        chosen = logprobs[torch.arange(len(output)), torch.tensor(output)]
-        shortfalls.append(logprobs.max(dim=-1).values - chosen)
-    return shortfalls
+    return [
+        teacher_forced_shortfalls(loaded.model, prompt, token_ids[request_id], implementation)
+        for request_id, prompt in prompts.items()
+    ]
 
 
 @pytest.mark.parametrize(
@@ -109,21 +105,6 @@ def test_greedy_tokens_are_greedy_under_hf_with_kv_rounded_to_the_cache_dtype(
     # Flips are rare: nearly every token is the reference's own argmax.
     argmax_hits = sum(int((shortfall == 0).sum()) for shortfall in shortfalls)
     assert argmax_hits >= MIN_ARGMAX_FRACTION * len(PROMPTS) * MAX_NEW_TOKENS
-
-
-def _teacher_forced_logprobs(
-    model: torch.nn.Module, prompt: list[int], output: list[int], implementation: str
-) -> torch.Tensor:
-    """HF's log-probabilities for each output position, given the prompt and the engine's own
-    earlier output tokens (one forward pass of the whole sequence through `implementation`)."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(implementation)
-    try:
-        with torch.inference_mode(), hugging_face_linears(model):
-            logits = model(torch.tensor([prompt + output[:-1]])).logits[0, len(prompt) - 1 :]
-    finally:
-        model.set_attn_implementation(previous)
-    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def test_fp8_cache_holds_four_times_the_tokens_of_float32_in_one_budget(default_loaded):
