@@ -9,7 +9,9 @@ differ), and rounding its output to bf16 gives the bf16 result, to one bf16 ulp.
 bf16, torch's bf16 GEMM is the slow part of a bfloat16 model: each `WidenedLinear` hands its float32
 copy to the host's float32 linear instead (MKL, or oneDNN's packed layout and the skinny kernel
 where the loader picks them, as for a float32 model). Everything else (embeddings, norms,
-activations, the K/V cache) stays bfloat16.
+activations, the K/V cache) stays bfloat16. Measured on a 2-core Zen 3 (AVX2 only), the default
+model, one process, interleaved: 16 requests of 128 prompt + 32 output tokens 14.70 -> 4.36 s
+(3.4x); one request 1.03x (at one row torch's bf16 GEMV was not the slow part).
 
 The cost is memory: the float32 copy takes twice the bf16 weight (the bf16 weight is dropped unless
 another module shares it, such as tied embeddings). The loader logs it.
