@@ -48,6 +48,17 @@ def cpu_kernel_or_none(purpose: str) -> ModuleType | None:
         return None
 
 
+def tied_to_other_modules(model: nn.Module) -> set[int]:
+    """Ids of the parameters that modules other than `nn.Linear` own (tied embeddings): a swap of
+    a linear keeps such a weight reachable rather than dropping it."""
+    return {
+        id(parameter)
+        for module in model.modules()
+        if type(module) is not nn.Linear
+        for parameter in module.parameters(recurse=False)
+    }
+
+
 @torch.inference_mode()
 def within_float32_rounding(linear: nn.Linear, replacement: nn.Module, rows: int) -> bool:
     """Whether `replacement` computes `linear` on a `rows`-row probe up to float32 rounding: its

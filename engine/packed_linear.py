@@ -35,6 +35,7 @@ from pagedserve.cache.attention.cpu_features import (
 from pagedserve.engine.module_swap import (
     is_bfloat16_cpu_model,
     swap_verified,
+    tied_to_other_modules,
     within_float32_rounding,
 )
 from pagedserve.engine.widened_linear import computes_linears_in_float32
@@ -105,12 +106,7 @@ def pack_linears(model: nn.Module) -> int:
     layer whose packed output differs from `F.linear` on a probe input is left as it is (and
     logged): in bfloat16 by a single bit, in float32 by more than float32 rounding.
     """
-    tied = {  # parameters that other modules use too (tied embeddings)
-        id(parameter)
-        for module in model.modules()
-        if type(module) is not nn.Linear
-        for parameter in module.parameters(recurse=False)
-    }
+    tied = tied_to_other_modules(model)
 
     def packed(child: nn.Module) -> PackedLinear | None:
         if type(child) is not nn.Linear:

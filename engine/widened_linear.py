@@ -23,7 +23,12 @@ import torch
 from torch import Tensor, nn
 
 from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16
-from pagedserve.engine.module_swap import is_bfloat16_cpu_model, is_cpu_model, swap_verified
+from pagedserve.engine.module_swap import (
+    is_bfloat16_cpu_model,
+    is_cpu_model,
+    swap_verified,
+    tied_to_other_modules,
+)
 
 
 class WidenedLinear(nn.Module):
@@ -69,12 +74,7 @@ def widen_linears(model: nn.Module) -> int:
     """Swap every bfloat16 `nn.Linear` of the model for a `WidenedLinear`; returns how many. A
     layer whose output is not within one bf16 ulp of its own on a probe input is left as it is
     (and logged)."""
-    tied = {  # parameters that other modules use too (tied embeddings)
-        id(parameter)
-        for module in model.modules()
-        if type(module) is not nn.Linear
-        for parameter in module.parameters(recurse=False)
-    }
+    tied = tied_to_other_modules(model)
 
     def widened(child: nn.Module) -> WidenedLinear | None:
         if type(child) is not nn.Linear or child.weight.dtype != torch.bfloat16:
