@@ -65,7 +65,9 @@ def can_widen_linears(model: nn.Module, flags: frozenset[str] | None = None) -> 
 def computes_linears_in_float32(model: nn.Module) -> bool:
     """Whether the model's CPU linears multiply in float32: a float32 model, or a bfloat16 one
     whose linears were widened (the float32 fast paths apply to both)."""
-    return is_cpu_model(model, torch.float32) or any(
+    if is_cpu_model(model, torch.float32):
+        return True
+    return is_bfloat16_cpu_model(model) and any(
         isinstance(module, WidenedLinear) for module in model.modules()
     )
 
