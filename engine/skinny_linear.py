@@ -121,13 +121,7 @@ def use_skinny_linears(
         every_layer = packed and skinny_every_layer_on(host_cpu_flags())
     if every_layer and not packed:
         raise ValueError("every_layer needs packed: MKL's float32 layers are left as they are")
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(head, WidenedLinear):  # a bfloat16 head that multiplies in float32
-        head = head.inner
-    candidates = [m for m in model.modules() if type(m) is nn.Linear] if every_layer else [head]
-    targets = {
-        id(m) for m in candidates if type(m) is nn.Linear and m.weight.dtype == torch.float32
-    }
+    targets = _float32_linears(model, every_layer)
     if not targets:
         return 0
     kernel = kernel or cpu_kernel_or_none("the float32 linears left as they are")
@@ -143,6 +137,15 @@ def use_skinny_linears(
         return SkinnyLinear(child, kernel, rows, PackedLinear(child, keep_weight=True))
 
     return swap_verified(model, skinny, _close_to_linear, "the skinny kernel")
+
+
+def _float32_linears(model: nn.Module, every_layer: bool) -> set[int]:
+    """Ids of the float32 `nn.Linear`s to swap: every one, or the LM head's."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, WidenedLinear):  # a bfloat16 head that multiplies in float32
+        head = head.inner
+    candidates = [m for m in model.modules() if type(m) is nn.Linear] if every_layer else [head]
+    return {id(m) for m in candidates if type(m) is nn.Linear and m.weight.dtype == torch.float32}
 
 
 def skinny_every_layer_on(flags: frozenset[str]) -> bool:
