@@ -34,7 +34,7 @@ from pagedserve.benchmarks.workload import (
     write_results,
 )
 from pagedserve.engine.packed_linear import PackedLinear, can_pack, float32_linear_backend
-from pagedserve.engine.skinny_linear import SkinnyLinear
+from pagedserve.engine.skinny_linear import EVERY_LAYER_ROWS, SkinnyLinear
 
 SHAPES = {  # name: (out_features, in_features), SmolLM2-135M
     "q_proj/o_proj": (576, 576),
@@ -85,7 +85,7 @@ def bench_skinny(
     linears = [nn.Linear(in_features, out_features, bias=False) for _ in range(copies)]
     baselines = [PackedLinear(linear) if backend == "onednn" else linear for linear in linears]
     kernel = load_cpu_kernel()
-    skinny = [SkinnyLinear(linear, kernel, rows=(1, 16)) for linear in linears]
+    skinny = [SkinnyLinear(linear, kernel, rows=EVERY_LAYER_ROWS) for linear in linears]
     x = torch.randn(rows, in_features, generator=generator)
 
     def run(modules: list[nn.Module]) -> None:

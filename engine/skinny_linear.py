@@ -9,8 +9,8 @@ Which layers, by host:
 
 At decode time a linear multiplies a handful of rows (one per sequence) by its weight, so it
 should cost what reading that weight costs. Cold weights (30 copies of each layer, 2 of the head),
-two threads, interleaved (`/tmp` A/B on the default model's shapes, oneDNN packed against the
-kernel):
+two threads, interleaved (`python -m pagedserve.benchmarks.linear --dtype float32`: the host's
+float32 linear against the kernel on the default model's shapes):
 - The head (49,152 x 576 floats, 113 MB, a fifth of the default model's weights). MKL: 4.2 ms at
   one row, but 8.9 / 14.7 / 21.8 ms for 4 / 8 / 12 rows, against the kernel's 6.0 / 8.2 / 10.4
   (Sapphire Rapids). With the kernel prefetching its weight into L2, a 2-core Zen 4: 4.2 / 4.3 /
