@@ -1,8 +1,9 @@
 """CPU paged attention: a C++/OpenMP kernel (csrc/paged_attention.cpp) built on first use.
 
 The same extension carries the bfloat16 RMSNorm (csrc/rms_norm.cpp, used by engine/fused_norm.py)
-and SiLU-and-multiply (csrc/silu_mul.cpp, used by engine/fused_mlp.py), and the float32 linear
-for decode-sized batches (csrc/skinny_linear.cpp, used by engine/skinny_linear.py).
+and SiLU-and-multiply (csrc/silu_mul.cpp, used by engine/fused_mlp.py), the float32 linear for
+decode-sized batches (csrc/skinny_linear.cpp, used by engine/skinny_linear.py) and the K/V store
+(csrc/store_kv.cpp, `CpuPagedAttention.store_kv`).
 
 The build is cached under ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``)
 in a directory keyed by the source, the torch install, the target ISA (``$PAGEDSERVE_CPU_ISA``:
@@ -27,15 +28,21 @@ from torch import Tensor
 
 from pagedserve.cache.attention.cpu_features import host_cpu_flags
 from pagedserve.cache.attention.metadata import AttentionMetadata
-from pagedserve.cache.attention.torch_ref import TorchPagedAttention, store_kv_by_slot
+from pagedserve.cache.attention.torch_ref import TorchPagedAttention, to_cache_dtype
 
 logger = logging.getLogger(__name__)
 
-# One extension: the attention kernel, the fused ops bfloat16 models use (norm, SiLU-and-mul) and
-# the float32 decode-size linear.
+# One extension: the attention kernel, the fused ops bfloat16 models use (norm, SiLU-and-mul), the
+# float32 decode-size linear and the K/V store.
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "rms_norm.cpp", "silu_mul.cpp", "skinny_linear.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "rms_norm.cpp",
+        "silu_mul.cpp",
+        "skinny_linear.cpp",
+        "store_kv.cpp",
+    )
 )
 _HEADERS = (Path(__file__).parent / "csrc" / "bfloat16_bits.h",)  # part of the build key too
 # -Wno-psabi: GCC notes the ABI of wide vector returns; they never leave the file.
@@ -204,8 +211,14 @@ class CpuPagedAttention:
         value_cache: Tensor,
         slot_mapping: Tensor,
     ) -> None:
-        # index_copy_ on the flat view is already a parallel row copy; no custom kernel needed.
-        store_kv_by_slot(key, value, key_cache, value_cache, slot_mapping)
+        # One C++ pass from the model's strided views into the slots (csrc/store_kv.cpp); K/V of
+        # another dtype than the cache's (a bfloat16 or fp8 cache) are converted on the way.
+        if key.dtype != key_cache.dtype:
+            key, value = (
+                to_cache_dtype(key, key_cache.dtype),
+                to_cache_dtype(value, key_cache.dtype),
+            )
+        self._kernel.store_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def forward(
         self,

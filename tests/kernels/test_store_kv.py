@@ -73,3 +73,48 @@ def test_store_kv_converts_to_the_cache_dtype_and_fp8_saturates(backend_name, kv
     untouched = torch.ones(8, dtype=torch.bool)
     untouched[slot_mapping.cpu()] = False
     assert not key_cache.view(-1, 4)[untouched.to(device)].float().any()
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_store_kv_reads_the_models_strided_view(backend_name):
+    # The model's K/V arrive as [tokens, kv_heads, head_dim] views of its [kv_heads, tokens,
+    # head_dim] tensors: every backend must read them through their strides.
+    backend, device = backend_on_its_device(backend_name)
+    generator = torch.Generator().manual_seed(1)
+    key_cache = torch.zeros(3, 4, 2, 8, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    heads_first = torch.randn(2, 2, 5, 8, generator=generator).to(device)  # [K|V, heads, tokens, d]
+    key, value = heads_first[0].transpose(0, 1), heads_first[1].transpose(0, 1)
+    assert not key.is_contiguous()
+    slot_mapping = torch.tensor([11, 2, 5, 0, 7], device=device)
+    backend.store_kv(key, value, key_cache, value_cache, slot_mapping)
+    assert torch.equal(key_cache.view(-1, 2, 8)[slot_mapping], key)
+    assert torch.equal(value_cache.view(-1, 2, 8)[slot_mapping], value)
+
+
+def test_the_cpu_store_refuses_a_slot_outside_the_cache_and_writes_nothing(cpu_backend):
+    key_cache = torch.zeros(2, 4, 1, 8)
+    value_cache = torch.zeros_like(key_cache)
+    rows = torch.ones(3, 1, 8)
+    for bad_slot in (8, -1):
+        slot_mapping = torch.tensor([0, bad_slot, 5])
+        with pytest.raises(RuntimeError, match="outside the cache's 8 slots"):
+            cpu_backend.store_kv(rows, rows, key_cache, value_cache, slot_mapping)
+        assert not key_cache.any() and not value_cache.any()  # checked before any write
+
+
+def test_the_cpu_store_kernel_checks_shapes_and_dtypes(cpu_backend):
+    kernel = cpu_backend._kernel
+    key_cache = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
+    value_cache = torch.zeros_like(key_cache)
+    slot_mapping = torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="convert first"):  # the backend converts, the op not
+        kernel.store_kv(
+            torch.ones(2, 1, 8), torch.ones(2, 1, 8), key_cache, value_cache, slot_mapping
+        )
+    rows = torch.ones(2, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="num_kv_heads"):
+        kernel.store_kv(rows, rows, key_cache, value_cache, slot_mapping)
+    rows = torch.ones(2, 1, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="int64"):
+        kernel.store_kv(rows, rows, key_cache, value_cache, slot_mapping.int())

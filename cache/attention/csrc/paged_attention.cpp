@@ -784,11 +784,13 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   return output;
 }
 
-// rms_norm.cpp, silu_mul.cpp and skinny_linear.cpp, built into the same extension (one build per
+// rms_norm.cpp, silu_mul.cpp, skinny_linear.cpp and store_kv.cpp, built into the same extension (one build per
 // ISA, one load).
 torch::Tensor rms_norm_bf16(const torch::Tensor& input, const torch::Tensor& weight, double eps);
 torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
 torch::Tensor skinny_linear_fp32(const torch::Tensor& input, const torch::Tensor& weight);
+void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
+              torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
 
 // Every entry point releases the GIL while it runs (arguments are converted before, the result
 // after): a long prefill's attention would otherwise hold the server's event loop, and /health,
@@ -814,4 +816,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "SiLU(gate) * up of bfloat16 [..., 2 * I] rows, as LlamaMLP rounds it (silu_mul.cpp)");
   m.def("skinny_linear_fp32", &skinny_linear_fp32, py::arg("input"), py::arg("weight"), no_gil,
         "float32 input @ weight.T for at most 16 rows, weights streamed once (skinny_linear.cpp)");
+  m.def("store_kv", &store_kv, py::arg("key"), py::arg("value"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("slot_mapping"), no_gil,
+        "Write each token's K/V rows (strided [tokens, kv_heads, head_dim], the cache's dtype) "
+        "into flat slot slot_mapping[i] of the caches, in place (store_kv.cpp)");
 }
