@@ -69,6 +69,38 @@ def test_cpu_kernel_matches_reference_on_decode_only_batch(
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_gives_a_request_the_same_bits_alone_as_in_a_batch(
+    cpu_backend, paged_batch, dtype
+):
+    # Alone, a decode token's kv heads are separate tasks (to spread over the cores); in a batch
+    # of many, each task takes all of a request's heads (contiguous K/V reads). Each row is the same
+    # arithmetic either way, so the outputs must be identical, bit for bit.
+    seq_lens = [300, 17, 1, 64, 65, 129, 40, 33]
+    query, key_cache, value_cache, meta = paged_batch(
+        [1] * len(seq_lens),
+        seq_lens,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+    )
+    batched = cpu_backend.forward(query, key_cache, value_cache, meta, 0.125)
+    for request in range(len(seq_lens)):
+        alone = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[request : request + 1],
+            block_tables=meta.block_tables[request : request + 1],
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            seq_lens=meta.seq_lens[request : request + 1],
+            max_query_len=1,
+        )
+        output = cpu_backend.forward(
+            query[request : request + 1], key_cache, value_cache, alone, 0.125
+        )
+        assert torch.equal(output, batched[request : request + 1])
+
+
 def test_cpu_kernel_handles_odd_head_dim_and_long_chunk(
     cpu_backend, paged_batch, matches_reference
 ):
