@@ -484,8 +484,14 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin
   const int num_rows = (head_end - head_begin) * head_rows;
   const int32_t* block_table = p.block_tables + item.request * p.max_num_blocks_per_req;
 
-  // Row m = kv head head_begin + m / head_rows, and within that head's rows r = m % head_rows: token
-  // query_begin + r / group_size, query head kv_head * group_size + r % group_size.
+  // Row m = kv head head_begin + m / head_rows; within that head's rows, r = m % head_rows is
+  // token query_begin + r / group_size and the group's query head r % group_size.
+  auto token_of = [&](int m) {
+    return query_start + item.query_begin + m % head_rows / group_size;
+  };
+  auto head_of = [&](int m) {
+    return (head_begin + m / head_rows) * group_size + m % head_rows % group_size;
+  };
   // Zero padding past head_dim keeps the padded lanes out of every dot product.
   std::vector<float> q(static_cast<size_t>(num_rows) * stride, 0.0f);  // pre-scaled
   std::vector<float> acc(static_cast<size_t>(num_rows) * stride, 0.0f);
@@ -495,7 +501,7 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin
   std::vector<float> row_sum(num_rows, 0.0f);
   if (p.sinks != nullptr) {  // as if one key of logit sinks[head] and value 0 had been seen
     for (int m = 0; m < num_rows; ++m) {
-      row_max[m] = p.sinks[(head_begin + m / head_rows) * group_size + m % head_rows % group_size];
+      row_max[m] = p.sinks[head_of(m)];
       row_sum[m] = 1.0f;
     }
   }
@@ -518,10 +524,6 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin
   const bool dpbf16_scores = false;
 #endif
 
-  auto token_of = [&](int m) { return query_start + item.query_begin + m % head_rows / group_size; };
-  auto head_of = [&](int m) {
-    return (head_begin + m / head_rows) * group_size + m % head_rows % group_size;
-  };
   // The query rows as dpbf16_scores reads them: bfloat16, unscaled, zero-padded to `stride`.
   std::vector<uint16_t> q_bf16(dpbf16_scores ? static_cast<size_t>(num_rows) * stride : 0, 0);
   for (int m = 0; m < num_rows; ++m) {
@@ -581,89 +583,94 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin
   };
   resolve_tile(first_key, tile_rows[0]);
   prefetch_rows(tile_rows[0], 0, std::min(kKeyTile, num_keys - first_key));
+  // One key tile for one kv head of the task: score its rows, update their softmax, then one value
+  // pass over the tile for all of them. `next_keys` of the next tile are prefetched meanwhile.
+  auto attend_head = [&](int head, int tile, int key_begin, int tile_keys, int next_keys) {
+    const int64_t head_offset = static_cast<int64_t>(head - head_begin) * head_dim;
+    const int row0 = (head - head_begin) * head_rows;  // this kv head's first row
+    for (int t = 0; t < tile_keys; ++t) {
+      const int64_t row = tile_rows[tile][t] + head_offset;
+      if constexpr (std::is_same_v<cache_t, float>) {
+        if (read_in_place) {
+          key_rows[t] = p.key_cache + row;
+          value_rows[t] = p.value_cache + row;
+          continue;
+        }
+      }
+      if constexpr (kBf16Cache) {
+        if (bf16_values_in_place) {  // values widened by the value pass; keys as scoring reads them
+          bf16_key_rows[t] = reinterpret_cast<const uint16_t*>(p.key_cache + row);
+          bf16_value_rows[t] = reinterpret_cast<const uint16_t*>(p.value_cache + row);
+          if (!dpbf16_scores) {
+            float* key = key_tile.data() + t * stride;
+            widen_row(p.key_cache + row, key, head_dim);
+            key_rows[t] = key;
+          }
+          continue;
+        }
+      }
+      float* key = key_tile.data() + t * stride;
+      float* value = value_tile.data() + t * stride;
+      widen_row(p.key_cache + row, key, head_dim);
+      widen_row(p.value_cache + row, value, head_dim);
+      key_rows[t] = key;
+      value_rows[t] = value;
+    }
+    for (int m = row0; m < row0 + head_rows; ++m) {
+      prefetch_rows(tile_rows[tile ^ 1], m * next_keys / num_rows, (m + 1) * next_keys / num_rows);
+      float* scores = probs.data() + static_cast<size_t>(m) * kKeyTile;
+      // Causal: the row at position first_position + token sees keys up to that position.
+      const int row_position = first_position + item.query_begin + (m - row0) / group_size;
+      const int visible = std::min(tile_keys, row_position + 1 - key_begin);
+      // The row's oldest visible key, within this tile (0 without a window).
+      const int hidden =
+          p.sliding_window > 0 ? std::max(0, row_position - p.sliding_window + 1 - key_begin) : 0;
+      if (visible <= hidden) {  // nothing of this tile: probability 0 for every key
+        std::fill(scores, scores + kKeyTile, 0.0f);
+        continue;
+      }
+#ifdef PAGEDSERVE_DPBF16
+      if (dpbf16_scores) {
+        score_row_dpbf16<CHUNKS>(q_bf16.data() + static_cast<size_t>(m) * stride, bf16_key_rows,
+                                 visible, p.scale, scores);
+      } else
+#endif
+      {
+        score_row<CHUNKS>(q.data() + static_cast<size_t>(m) * stride, key_rows, chunks, visible,
+                          scores);
+      }
+      if (p.softcap > 0.0f) {
+        for (int t = 0; t < visible; ++t) scores[t] = p.softcap * std::tanh(scores[t] / p.softcap);
+      }
+      for (int t = 0; t < hidden; ++t) scores[t] = -std::numeric_limits<float>::infinity();
+      softmax_update(scores, visible, stride, acc.data() + static_cast<size_t>(m) * stride,
+                     row_max[m], row_sum[m]);
+    }
+    // Keys a row does not see have probability 0 there: one value pass over the tile serves all
+    // of this kv head's rows.
+    const float* head_probs = probs.data() + static_cast<size_t>(row0) * kKeyTile;
+    float* head_acc = acc.data() + static_cast<size_t>(row0) * stride;
+    if constexpr (CHUNKS > 0) {
+      if (bf16_values_in_place) {
+        accumulate_tile<CHUNKS>(head_probs, bf16_value_rows, tile_keys, head_acc, stride,
+                                head_rows);
+      } else {
+        accumulate_tile<CHUNKS>(head_probs, value_rows, tile_keys, head_acc, stride, head_rows);
+      }
+    } else {
+      for (int m = 0; m < head_rows; ++m) {
+        accumulate_values<CHUNKS>(head_probs + static_cast<size_t>(m) * kKeyTile, value_rows,
+                                  chunks, tile_keys, head_acc + static_cast<size_t>(m) * stride);
+      }
+    }
+  };
   for (int key_begin = first_key, tile = 0; key_begin < num_keys;
        key_begin += kKeyTile, tile ^= 1) {
     const int tile_keys = std::min(kKeyTile, num_keys - key_begin);
     const int next_keys = std::max(0, std::min(kKeyTile, num_keys - key_begin - kKeyTile));
     if (next_keys > 0) resolve_tile(key_begin + kKeyTile, tile_rows[tile ^ 1]);
     for (int head = head_begin; head < head_end; ++head) {
-      const int64_t head_offset = static_cast<int64_t>(head - head_begin) * head_dim;
-      const int row0 = (head - head_begin) * head_rows;  // this kv head's first row
-      for (int t = 0; t < tile_keys; ++t) {
-        const int64_t row = tile_rows[tile][t] + head_offset;
-        if constexpr (std::is_same_v<cache_t, float>) {
-          if (read_in_place) {
-            key_rows[t] = p.key_cache + row;
-            value_rows[t] = p.value_cache + row;
-            continue;
-          }
-        }
-        if constexpr (kBf16Cache) {
-          if (bf16_values_in_place) {  // values widened by the value pass; keys as scoring reads them
-            bf16_key_rows[t] = reinterpret_cast<const uint16_t*>(p.key_cache + row);
-            bf16_value_rows[t] = reinterpret_cast<const uint16_t*>(p.value_cache + row);
-            if (!dpbf16_scores) {
-              float* key = key_tile.data() + t * stride;
-              widen_row(p.key_cache + row, key, head_dim);
-              key_rows[t] = key;
-            }
-            continue;
-          }
-        }
-        float* key = key_tile.data() + t * stride;
-        float* value = value_tile.data() + t * stride;
-        widen_row(p.key_cache + row, key, head_dim);
-        widen_row(p.value_cache + row, value, head_dim);
-        key_rows[t] = key;
-        value_rows[t] = value;
-      }
-      for (int m = row0; m < row0 + head_rows; ++m) {
-        prefetch_rows(tile_rows[tile ^ 1], m * next_keys / num_rows, (m + 1) * next_keys / num_rows);
-        float* scores = probs.data() + static_cast<size_t>(m) * kKeyTile;
-        // Causal: the row at position first_position + token sees keys up to that position.
-        const int row_position = first_position + item.query_begin + (m - row0) / group_size;
-        const int visible = std::min(tile_keys, row_position + 1 - key_begin);
-        // The row's oldest visible key, within this tile (0 without a window).
-        const int hidden =
-            p.sliding_window > 0 ? std::max(0, row_position - p.sliding_window + 1 - key_begin) : 0;
-        if (visible <= hidden) {  // nothing of this tile: probability 0 for every key
-          std::fill(scores, scores + kKeyTile, 0.0f);
-          continue;
-        }
-  #ifdef PAGEDSERVE_DPBF16
-        if (dpbf16_scores) {
-          score_row_dpbf16<CHUNKS>(q_bf16.data() + static_cast<size_t>(m) * stride, bf16_key_rows,
-                                   visible, p.scale, scores);
-        } else
-  #endif
-        {
-          score_row<CHUNKS>(q.data() + static_cast<size_t>(m) * stride, key_rows, chunks, visible,
-                            scores);
-        }
-        if (p.softcap > 0.0f) {
-          for (int t = 0; t < visible; ++t) scores[t] = p.softcap * std::tanh(scores[t] / p.softcap);
-        }
-        for (int t = 0; t < hidden; ++t) scores[t] = -std::numeric_limits<float>::infinity();
-        softmax_update(scores, visible, stride, acc.data() + static_cast<size_t>(m) * stride,
-                       row_max[m], row_sum[m]);
-      }
-      // Keys a row does not see have probability 0 there: one value pass over the tile serves all
-      // of this kv head's rows.
-      const float* head_probs = probs.data() + static_cast<size_t>(row0) * kKeyTile;
-      float* head_acc = acc.data() + static_cast<size_t>(row0) * stride;
-      if constexpr (CHUNKS > 0) {
-        if (bf16_values_in_place) {
-          accumulate_tile<CHUNKS>(head_probs, bf16_value_rows, tile_keys, head_acc, stride,
-                                  head_rows);
-        } else {
-          accumulate_tile<CHUNKS>(head_probs, value_rows, tile_keys, head_acc, stride, head_rows);
-        }
-      } else {
-        for (int m = 0; m < head_rows; ++m) {
-          accumulate_values<CHUNKS>(head_probs + static_cast<size_t>(m) * kKeyTile, value_rows,
-                                    chunks, tile_keys, head_acc + static_cast<size_t>(m) * stride);
-        }
-      }
+      attend_head(head, tile, key_begin, tile_keys, next_keys);
     }
   }
 

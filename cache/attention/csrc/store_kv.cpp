@@ -43,6 +43,7 @@ void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
               "the caches must be contiguous");
   check_rows(key, key_cache, "key");
   check_rows(value, value_cache, "value");
+  TORCH_CHECK(slot_mapping.device().is_cpu(), "slot_mapping must be a CPU tensor");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 &&
                   slot_mapping.is_contiguous() && slot_mapping.size(0) == key.size(0) &&
                   value.size(0) == key.size(0),
