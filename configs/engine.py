@@ -74,13 +74,13 @@ class ModelConfig(_Section):
         "token-identical to Hugging Face)",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs")
-    # MKL (torch's F.linear) computes Hugging Face's exact bits; it picks its kernels by CPU vendor,
-    # and on an AMD EPYC oneDNN ran the same float32 linears 1.2-4.3x faster (a few ulps apart).
+    # MKL (torch's F.linear) computes Hugging Face's exact bits; it picks its kernels by CPU vendor:
+    # on an AMD EPYC oneDNN ran the same float32 linears 1.2-4.3x faster, on Intel's Sapphire
+    # Rapids 1.1-1.6x at 16-64 rows and level at prefill sizes (a few ulps apart).
     cpu_float32_linear: Literal["auto", "mkl", "onednn"] = Field(
         "auto",
         description="float32 linears on the CPU: mkl (torch's F.linear, Hugging Face's bits), "
-        "onednn (weights packed once for oneDNN), auto: onednn on x86 CPUs not made by Intel, "
-        "where MKL runs slower code paths, mkl elsewhere",
+        "onednn (weights packed once for oneDNN), auto: onednn on x86 CPUs, mkl elsewhere",
     )
     max_model_len: int | None = Field(
         None, ge=1, description="max prompt + output tokens (default: min(model limit, 4096))"

@@ -8,12 +8,14 @@ without the per-call copy. Measured on the default model's shapes, one thread, S
 bit-identical (`benchmarks/linear.py`). Only on CPUs with native bf16 dot products: without
 AVX512_BF16/AMX oneDNN emulates bf16.
 
-float32: `F.linear` is MKL's GEMM, which picks its kernels by CPU vendor. On Intel's CPUs it is as
-fast as oneDNN at these shapes (0.55-1.07x at 1-16 rows on Sapphire Rapids, so not packed there);
-on an AMD EPYC (Zen 5) oneDNN ran them 1.2-4.3x faster, even limited to AVX2 (the Zen 2 case).
-So `--cpu-float32-linear auto` packs float32 weights for oneDNN on x86 CPUs not made by Intel.
-oneDNN sums in another order than MKL: outputs agree to float32 rounding, not to the bit (`mkl`
-keeps Hugging Face's exact computation).
+float32: `F.linear` is MKL's GEMM, which picks its kernels by CPU vendor: on an AMD EPYC (Zen 5)
+oneDNN ran the default model's linears 1.2-4.3x faster, even limited to AVX2 (the Zen 2 case). On
+Intel's Sapphire Rapids the two are level at prefill sizes (0.98-1.03x at 256-512 rows), oneDNN is
+1.1-1.6x faster at 16-64 rows (gate/up, down, q/o; k/v 0.8-0.9x) and MKL up to 1.9x faster at 1-2
+rows, where the skinny kernel takes every layer's batches anyway (skinny_linear.py). So
+`--cpu-float32-linear auto` packs float32 weights for oneDNN on every x86 CPU. oneDNN sums in
+another order than MKL: outputs agree to float32 rounding, not to the bit (`mkl` keeps Hugging
+Face's exact computation).
 
 The model classes stay Hugging Face's: each `nn.Linear` is swapped for a module with the same call
 signature.
@@ -30,7 +32,6 @@ from pagedserve.cache.attention.cpu_features import (
     host_cpu_flags,
     host_cpu_vendor,
     missing_native_bf16,
-    mkl_runs_fast_paths,
 )
 from pagedserve.engine.module_swap import (
     is_bfloat16_cpu_model,
@@ -77,13 +78,13 @@ def float32_linear_backend(
     setting: str, vendor: str | None = None, machine: str | None = None
 ) -> str:
     """The backend of float32 CPU linears, mkl or onednn: the setting, with `auto` resolved for
-    the host (or the given CPU vendor id and machine): oneDNN on x86 CPUs MKL does not run fast."""
+    the host (or the given CPU vendor id and machine): oneDNN on x86 CPUs whose vendor is known
+    (module docstring; an unidentified CPU keeps torch's own path)."""
     if setting != "auto":
         return setting
     vendor = host_cpu_vendor() if vendor is None else vendor
     machine = platform.machine() if machine is None else machine
-    on_slow_mkl = machine in X86_MACHINES and bool(vendor) and not mkl_runs_fast_paths(vendor)
-    return "onednn" if on_slow_mkl else "mkl"
+    return "onednn" if machine in X86_MACHINES and vendor else "mkl"
 
 
 def can_pack_float32(model: nn.Module, setting: str = "auto") -> bool:

@@ -2,10 +2,11 @@
 cache/attention/csrc/skinny_linear.cpp, everything else through `F.linear` or oneDNN as before.
 
 Which layers, by host:
-- MKL's float32 (Intel CPUs): the LM head only, at 2-12 rows.
-- oneDNN's packed float32 (x86 CPUs MKL is slow on) with AVX-512: the LM head only, at 1-8 rows;
-  the rest of its batches through the head's packed copy.
-- oneDNN's packed float32 on an AVX2-only CPU: every linear, at 1-16 rows.
+- MKL's float32 (`--cpu-float32-linear mkl`): the LM head only, at 2-12 rows.
+- oneDNN's packed float32 (x86 CPUs) on an AVX2-only CPU or an Intel one: every linear, at 1-16
+  rows; the rest of each layer's batches through its packed copy.
+- oneDNN's packed float32 on other AVX-512 CPUs (AMD Zen 4 / Zen 5): the LM head only, at 1-8
+  rows.
 
 At decode time a linear multiplies a handful of rows (one per sequence) by its weight, so it
 should cost what reading that weight costs. Cold weights (30 copies of each layer, 2 of the head),
@@ -18,8 +19,11 @@ float32 linear against the kernel on the default model's shapes):
 - Every layer on a 2-core Zen 3 (AVX2 only), where oneDNN streams these small weights at 4-13
   GB/s and the kernel at 10-21 (read pass 23): 1.4-2.6x at 1-8 rows (q/o 576x576 160 -> 87 us,
   gate/up 1536x576 285 -> 209 us at one row), 1.1-1.8x at 12-16, the head 1.06-1.2x. A batch-1
-  decode step's linears: 46 -> 31 ms. Not measured on the other layers with AVX-512, so not used
-  there.
+  decode step's linears: 46 -> 31 ms.
+- Every layer on a 2-core Intel Sapphire Rapids (AVX-512), the 30 layers' q/k/v/o, gate/up and
+  down (`/tmp` micro-benchmark, interleaved): 27.7 / 29.6 / 47.2 ms at 1 / 8 / 16 rows, against
+  MKL's 28.6 / 50.7 / 71.4 and oneDNN's 40.0 / 42.1 / 56.3. Not measured on the other layers of an
+  AMD AVX-512 CPU, so not used there.
 
 The kernel sums in another order than MKL or oneDNN (float32 rounding apart), and each row's result
 does not depend on the other rows. Upstream of the head such a difference reaches the K/V cache,
@@ -38,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedserve.cache.attention.cpu_features import host_cpu_flags
+from pagedserve.cache.attention.cpu_features import host_cpu_flags, host_cpu_vendor
 from pagedserve.engine.module_swap import (
     cpu_kernel_or_none,
     swap_verified,
@@ -50,7 +54,8 @@ from pagedserve.engine.widened_linear import WidenedLinear, computes_linears_in_
 # The head's rows where the kernel is at least even with MKL (2 rows: 0.98x; 4-12: 1.5-2.1x). At
 # one row MKL's GEMV is at the memory bound already, and at 16 its GEMM is as fast again (0.94x).
 MIN_ROWS, MAX_ROWS = 2, 12
-# Where the float32 linears run on oneDNN (packed_linear.py: x86 CPUs MKL is slow on), the rows
+# Where the float32 linears run on oneDNN (packed_linear.py: x86 CPUs) but not every layer goes
+# through the kernel (AMD's AVX-512 CPUs), the rows
 # where the kernel beats oneDNN's packed head: 1.5x / 1.2x / 1.2x at 1 / 4 / 8 rows, even at 12
 # (the weight evicted before each call, two threads, Zen 4).
 PACKED_ROWS = (1, 8)
@@ -148,10 +153,12 @@ def _float32_linears(model: nn.Module, every_layer: bool) -> set[int]:
     return {id(m) for m in candidates if type(m) is nn.Linear and m.weight.dtype == torch.float32}
 
 
-def skinny_every_layer_on(flags: frozenset[str]) -> bool:
-    """Whether a CPU with these flags runs every packed float32 linear's decode-sized batches
-    through the kernel: measured faster than oneDNN on AVX2-only (Zen 3), not measured beyond."""
-    return "avx2" in flags and "avx512f" not in flags
+def skinny_every_layer_on(flags: frozenset[str], vendor: str | None = None) -> bool:
+    """Whether a CPU with these flags (and vendor id, default the host's) runs every packed
+    float32 linear's decode-sized batches through the kernel: measured faster than oneDNN on an
+    AVX2-only AMD EPYC (Zen 3) and on an Intel Sapphire Rapids, not on AMD's AVX-512 CPUs."""
+    vendor = host_cpu_vendor() if vendor is None else vendor
+    return "avx2" in flags and ("avx512f" not in flags or vendor == "GenuineIntel")
 
 
 def _close_to_linear(linear: nn.Linear, skinny: SkinnyLinear) -> bool:

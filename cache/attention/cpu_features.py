@@ -55,13 +55,3 @@ def missing_native_bf16(flags: frozenset[str]) -> tuple[str, ...]:
     if any(name in flags for name in NATIVE_BF16_FLAGS):
         return ()
     return NATIVE_BF16_FLAGS
-
-
-def mkl_runs_fast_paths(vendor: str) -> bool:
-    """Whether MKL (torch's float32 GEMM on x86) takes its fast code paths on this vendor's CPUs.
-
-    MKL picks its kernels by CPU vendor: on an AMD EPYC (Zen 5, AVX-512) it ran the default model's
-    float32 linears 1.2-4.3x slower than oneDNN, which dispatches on the CPU's features alone
-    (benchmarks/RESULTS.md, "Fifth session"). Only Intel's CPUs get MKL's best paths.
-    """
-    return vendor == "GenuineIntel"

@@ -1,6 +1,6 @@
 """Linears packed once for oneDNN. bfloat16: the same bits as `nn.Linear`, tied embeddings kept,
 applied only on CPUs with native bf16. float32: within float32 rounding of `nn.Linear`, applied
-where `cpu_float32_linear` resolves to onednn (auto: x86 CPUs not made by Intel). Both by the
+where `cpu_float32_linear` resolves to onednn (auto: identified x86 CPUs). Both by the
 loader."""
 
 from __future__ import annotations
@@ -72,10 +72,10 @@ def test_the_loader_packs_a_bfloat16_model_and_leaves_float32_alone(default_mode
     assert type(fp32.model.layers[0].self_attn.q_proj) is nn.Linear
 
 
-def test_auto_runs_float32_linears_on_onednn_only_on_x86_cpus_not_made_by_intel():
+def test_auto_runs_float32_linears_on_onednn_on_identified_x86_cpus():
     assert float32_linear_backend("auto", vendor="AuthenticAMD", machine="x86_64") == "onednn"
     assert float32_linear_backend("auto", vendor="HygonGenuine", machine="x86_64") == "onednn"
-    assert float32_linear_backend("auto", vendor="GenuineIntel", machine="x86_64") == "mkl"
+    assert float32_linear_backend("auto", vendor="GenuineIntel", machine="x86_64") == "onednn"
     assert float32_linear_backend("auto", vendor="", machine="x86_64") == "mkl"  # unknown CPU
     assert float32_linear_backend("auto", vendor="AuthenticAMD", machine="aarch64") == "mkl"
     for setting in ("mkl", "onednn"):  # an explicit setting wins on any CPU
@@ -112,23 +112,30 @@ def test_packed_float32_model_stays_within_rounding_and_gives_hf_its_linears_bac
 
 
 @pytest.mark.parametrize(
-    ("flags", "skinny_layers"),
-    [(frozenset({"avx2", "fma", "avx512f"}), "head"), (frozenset({"avx2", "fma"}), "every layer")],
+    ("flags", "vendor", "skinny_layers"),
+    [
+        (frozenset({"avx2", "fma", "avx512f"}), "AuthenticAMD", "head"),
+        (frozenset({"avx2", "fma"}), "AuthenticAMD", "every layer"),
+        (frozenset({"avx2", "fma", "avx512f"}), "GenuineIntel", "every layer"),
+    ],
 )
 def test_the_loader_packs_float32_for_onednn_or_keeps_mkl_with_the_skinny_head(
-    default_model_path, monkeypatch, flags, skinny_layers
+    default_model_path, monkeypatch, flags, vendor, skinny_layers
 ):
     def load(setting: str) -> nn.Module:
         config = ModelConfig(model=DEFAULT_MODEL, dtype="float32", cpu_float32_linear=setting)
         return load_model(config, "cpu").model
 
     monkeypatch.setattr(skinny_linear, "host_cpu_flags", lambda: flags)
+    monkeypatch.setattr(skinny_linear, "host_cpu_vendor", lambda: vendor)
     onednn = load("onednn")
     q_proj = onednn.model.layers[0].self_attn.q_proj
-    if skinny_layers == "head":  # AVX-512: the head's 1-8 rows through the kernel, the rest packed
+    if (
+        skinny_layers == "head"
+    ):  # AMD AVX-512: the head's 1-8 rows through the kernel, the rest packed
         assert isinstance(q_proj, PackedLinear)
         rows = PACKED_ROWS
-    else:  # AVX2 only: every layer's 1-16 rows through the kernel, the rest to its packed copy
+    else:  # AVX2 only or Intel: every layer's 1-16 rows through the kernel, the rest packed
         assert isinstance(q_proj, SkinnyLinear) and isinstance(q_proj.fallback, PackedLinear)
         assert (q_proj.min_rows, q_proj.max_rows) == EVERY_LAYER_ROWS
         rows = EVERY_LAYER_ROWS

@@ -164,13 +164,17 @@ def test_every_layer_sends_decode_batches_to_the_kernel_and_the_rest_to_its_pack
     assert all(isinstance(swapped[name], SkinnyLinear) for name in linears)
 
 
-def test_every_layer_needs_packed_layers_and_is_the_default_on_avx2_only_cpus(default_tokenizer):
+def test_every_layer_needs_packed_layers_and_is_the_default_on_avx2_only_and_intel_cpus(
+    default_tokenizer,
+):
     model = make_tiny_model("llama-gqa", default_tokenizer).model
     with pytest.raises(ValueError, match="needs packed"):
         use_skinny_linears(model, every_layer=True)
-    assert skinny_every_layer_on(frozenset({"avx2", "fma"}))
-    assert not skinny_every_layer_on(frozenset({"avx2", "fma", "avx512f"}))
-    assert not skinny_every_layer_on(frozenset({"neon"}))
+    avx512 = frozenset({"avx2", "fma", "avx512f"})
+    assert skinny_every_layer_on(frozenset({"avx2", "fma"}), "AuthenticAMD")
+    assert skinny_every_layer_on(avx512, "GenuineIntel")  # measured on Sapphire Rapids
+    assert not skinny_every_layer_on(avx512, "AuthenticAMD")  # Zen 4 / 5: the head only
+    assert not skinny_every_layer_on(frozenset({"neon"}), "")
 
 
 def test_a_reference_runs_hugging_faces_head_and_the_skinny_one_comes_back(default_tokenizer):

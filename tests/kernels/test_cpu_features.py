@@ -6,7 +6,6 @@ from pagedserve.cache.attention.cpu_features import (
     host_cpu_flags,
     host_cpu_vendor,
     missing_native_bf16,
-    mkl_runs_fast_paths,
     vector_isa,
 )
 
@@ -25,12 +24,6 @@ def test_missing_native_bf16_names_both_features_only_when_neither_is_present():
     assert missing_native_bf16(SAPPHIRE_RAPIDS) == ()
     assert missing_native_bf16(ZEN2 | {"avx512_bf16"}) == ()
     assert missing_native_bf16(ZEN2 | {"amx_bf16"}) == ()
-
-
-def test_only_intel_cpus_get_mkls_fast_paths():
-    assert mkl_runs_fast_paths("GenuineIntel")
-    assert not mkl_runs_fast_paths("AuthenticAMD")
-    assert not mkl_runs_fast_paths("")  # unknown: not assumed
 
 
 def test_the_host_vendor_comes_from_cpuinfo_without_whitespace():
