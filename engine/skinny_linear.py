@@ -54,10 +54,9 @@ from pagedserve.engine.widened_linear import WidenedLinear, computes_linears_in_
 # The head's rows where the kernel is at least even with MKL (2 rows: 0.98x; 4-12: 1.5-2.1x). At
 # one row MKL's GEMV is at the memory bound already, and at 16 its GEMM is as fast again (0.94x).
 MIN_ROWS, MAX_ROWS = 2, 12
-# Where the float32 linears run on oneDNN (packed_linear.py: x86 CPUs) but not every layer goes
-# through the kernel (AMD's AVX-512 CPUs), the rows
-# where the kernel beats oneDNN's packed head: 1.5x / 1.2x / 1.2x at 1 / 4 / 8 rows, even at 12
-# (the weight evicted before each call, two threads, Zen 4).
+# Where the float32 linears run on oneDNN (x86 CPUs) but only the head goes through the kernel
+# (AMD's AVX-512 CPUs), the rows where the kernel beats oneDNN's packed head: 1.5x / 1.2x / 1.2x
+# at 1 / 4 / 8 rows, even at 12 (the weight evicted before each call, two threads, Zen 4).
 PACKED_ROWS = (1, 8)
 # On an AVX2-only CPU with packed linears, every layer's rows where the kernel beats oneDNN: all
 # of them up to the kernel's limit (1.1-1.8x at 12-16 rows, Zen 3).
