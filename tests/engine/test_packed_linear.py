@@ -130,9 +130,8 @@ def test_the_loader_packs_float32_for_onednn_or_keeps_mkl_with_the_skinny_head(
     monkeypatch.setattr(skinny_linear, "host_cpu_vendor", lambda: vendor)
     onednn = load("onednn")
     q_proj = onednn.model.layers[0].self_attn.q_proj
-    if (
-        skinny_layers == "head"
-    ):  # AMD AVX-512: the head's 1-8 rows through the kernel, the rest packed
+    # AMD AVX-512: the head's 1-8 rows through the kernel, the rest packed.
+    if skinny_layers == "head":
         assert isinstance(q_proj, PackedLinear)
         rows = PACKED_ROWS
     else:  # AVX2 only or Intel: every layer's 1-16 rows through the kernel, the rest packed
