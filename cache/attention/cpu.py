@@ -44,7 +44,9 @@ _SOURCES = tuple(
         "store_kv.cpp",
     )
 )
-_HEADERS = (Path(__file__).parent / "csrc" / "bfloat16_bits.h",)  # part of the build key too
+_HEADERS = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("bfloat16_bits.h", "amx_attention.h")
+)  # part of the build key too
 # -Wno-psabi: GCC notes the ABI of wide vector returns; they never leave the file.
 # Tuples: torch appends its own libraries to the flag lists it is given, and a module-level list
 # that grew would change the build's hash, so every later load in the process would rebuild.

@@ -290,3 +290,53 @@ def test_cpu_kernel_lets_other_threads_run_python_while_it_computes(cpu_backend,
     assert longest_gap_s < call_s / 4, (
         f"stalled {longest_gap_s:.3f} s; one call takes {call_s:.3f} s"
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cpu_kernel_lets_no_stale_slot_into_a_result(cpu_backend, paged_batch, dtype, block_size):
+    # Slots past a request's length (the tail of its last block, and blocks it does not own) hold
+    # whatever an earlier request left, NaN included. Tiled paths read whole groups of slots and
+    # mask the extra keys: their probability is 0, and 0 * NaN would still be NaN in a sum.
+    query_lens, seq_lens = [1, 37, 50, 5], [45, 37, 90, 21]
+    query, key_cache, value_cache, meta = paged_batch(
+        query_lens,
+        seq_lens,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=block_size,
+        dtype=dtype,
+        seed=11,
+    )
+    expected = cpu_backend.forward(query, key_cache, value_cache, meta, 0.125)
+    stale = torch.ones(key_cache.shape[:2], dtype=torch.bool)  # [num_blocks, block_size]
+    for request, seq_len in enumerate(seq_lens):
+        for position in range(seq_len):
+            block = meta.block_tables[request, position // block_size]
+            stale[block, position % block_size] = False
+    nan = torch.tensor(float("nan"), dtype=dtype)
+    key_cache[stale], value_cache[stale] = nan, nan
+    actual = cpu_backend.forward(query, key_cache, value_cache, meta, 0.125)
+    assert not actual.isnan().any()
+    assert torch.equal(actual, expected)
+
+
+def test_native_build_uses_amx_tiles_where_the_cpu_has_them(cpu_backend):
+    # bfloat16 prefill items run on AMX tiles (amx_attention.h) in a native build on a CPU with
+    # AMX_BF16, where Linux grants the tile state (5.16 and later): a build that silently lost the
+    # path would still pass every accuracy test, only slower.
+    from pagedserve.cache.attention.cpu_features import host_cpu_flags
+
+    amx_host = cpu_backend.isa == "native" and "amx_bf16" in host_cpu_flags()
+    if not amx_host:
+        assert cpu_backend._kernel.amx_tiles is False
+    elif _linux_version() >= (5, 16):
+        assert cpu_backend._kernel.amx_tiles is True
+
+
+def _linux_version() -> tuple[int, int]:
+    import platform
+
+    major, minor = platform.release().split(".")[:2]
+    return int(major), int(minor)

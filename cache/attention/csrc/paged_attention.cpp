@@ -43,6 +43,10 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>  // arch_prctl: permission for AMX tile state (amx_attention.h)
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -469,10 +473,69 @@ inline void softmax_update(float* scores, int num_keys, int stride, float* acc, 
   row_sum += horizontal_sum(tile_sum);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PAGEDSERVE_AMX 1
+#include "amx_attention.h"
+
+// Items of at least this many rows per kv head (tokens x group size) take AMX tiles: a tile has
+// 16 rows, and a decode token's few rows would leave most of them empty.
+constexpr int kAmxMinRows = 8;
+
+// A prefill item over a bfloat16 cache with bfloat16 queries, on AMX tiles (amx_attention.h), one
+// kv head after the other. Same rows, keys and options as attend_item.
+template <int HEAD_DIM>
+void attend_item_amx(const Problem<at::BFloat16>& p, const WorkItem& item, int head_begin,
+                     int head_end) {
+  const int group_size = p.num_heads / p.num_kv_heads;
+  const int query_start = p.query_start_loc[item.request];
+  const int query_len = p.query_start_loc[item.request + 1] - query_start;
+  const int chunk_position = p.seq_lens[item.request] - query_len;  // of the chunk's row 0
+  const int num_rows = (item.query_end - item.query_begin) * group_size;
+  std::vector<const uint16_t*> query_rows(num_rows);
+  std::vector<uint16_t*> output_rows(num_rows);
+  std::vector<float> row_sinks(p.sinks != nullptr ? num_rows : 0);
+  amx::HeadTask task{query_rows.data(), output_rows.data(),
+                     p.sinks != nullptr ? row_sinks.data() : nullptr, num_rows, group_size,
+                     chunk_position + item.query_begin};
+  task.slot_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
+  task.block_table = p.block_tables + item.request * p.max_num_blocks_per_req;
+  task.block_size = p.block_size;
+  task.num_keys = chunk_position + item.query_end;
+  task.first_key = p.sliding_window > 0
+                       ? std::max(0, task.first_position - p.sliding_window + 1)
+                       : 0;
+  task.sliding_window = p.sliding_window;
+  task.scale = p.scale;
+  task.softcap = p.softcap;
+  for (int kv_head = head_begin; kv_head < head_end; ++kv_head) {
+    for (int m = 0; m < num_rows; ++m) {
+      const int64_t token = query_start + item.query_begin + m / group_size;
+      const int head = kv_head * group_size + m % group_size;
+      query_rows[m] = static_cast<const uint16_t*>(p.query) + token * p.query_token_stride +
+                      head * p.query_head_stride;
+      output_rows[m] = static_cast<uint16_t*>(p.output) + (token * p.num_heads + head) * HEAD_DIM;
+      if (p.sinks != nullptr) row_sinks[m] = p.sinks[head];
+    }
+    task.key_cache = reinterpret_cast<const uint16_t*>(p.key_cache) + kv_head * HEAD_DIM;
+    task.value_cache = reinterpret_cast<const uint16_t*>(p.value_cache) + kv_head * HEAD_DIM;
+    amx::attend_head<HEAD_DIM>(task);
+  }
+}
+#endif
+
 // CHUNKS > 0 fixes head_dim / kLanes at compile time (64 and 128 are the common sizes); 0 reads
 // it from the problem, including head sizes that end in a partial vector (zero padding).
 template <typename cache_t, int CHUNKS>
 void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin, int head_end) {
+#ifdef PAGEDSERVE_AMX
+  if constexpr (std::is_same_v<cache_t, at::BFloat16> && CHUNKS > 0 && CHUNKS * kLanes % 32 == 0) {
+    if (p.bfloat16_io && p.block_size % 16 == 0 &&
+        (item.query_end - item.query_begin) * (p.num_heads / p.num_kv_heads) >= kAmxMinRows &&
+        amx::tiles_permitted()) {
+      return attend_item_amx<CHUNKS * kLanes>(p, item, head_begin, head_end);
+    }
+  }
+#endif
   const int group_size = p.num_heads / p.num_kv_heads;
   const int head_dim = p.head_dim;
   const int chunks = CHUNKS > 0 ? CHUNKS : (head_dim + kLanes - 1) / kLanes;
@@ -837,6 +900,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("bf16_dot_products") = true;  // bfloat16 q . k on AVX512_BF16 (score_row_dpbf16)
 #else
   m.attr("bf16_dot_products") = false;
+#endif
+#ifdef PAGEDSERVE_AMX
+  m.attr("amx_tiles") = amx::tiles_permitted();  // bfloat16 prefill items on AMX (amx_attention.h)
+#else
+  m.attr("amx_tiles") = false;
 #endif
   m.def("paged_attention", &paged_attention, py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
