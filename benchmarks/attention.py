@@ -277,19 +277,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _prefill_rows(args: argparse.Namespace) -> list[dict]:
-    """The prefill chunk's rows (printed), each ISA build this run times; [] when skipped."""
+    """The prefill chunk's rows (printed), each dtype and ISA build this run times; [] when
+    skipped."""
     if not args.prefill_chunk or args.device != "cpu":
         return []
-    rows = bench_prefill(
-        chunk=args.prefill_chunk,
-        heads=args.num_heads,
-        kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim,
-        block_size=args.block_size,
-        repeats=args.repeats,
-        isas=None if args.isa is None else ["native", *args.isa],
-    )
-    print_prefill(rows)
+    rows = []
+    for dtype_name in args.dtype:  # bfloat16: a bfloat16 cache (AMX tiles where the CPU has them)
+        dtype_rows = bench_prefill(
+            chunk=args.prefill_chunk,
+            heads=args.num_heads,
+            kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            block_size=args.block_size,
+            repeats=args.repeats,
+            isas=None if args.isa is None else ["native", *args.isa],
+            dtype=DTYPES[dtype_name],
+        )
+        print_prefill(dtype_rows)
+        rows += dtype_rows
     return rows
 
 

@@ -4,11 +4,14 @@ cache, against the GFLOP/s the model's own matrix multiplies reach in the same r
 Each ISA build of the CPU kernel, SDPA on contiguous K/V (causal, GQA expanded) and the MLP's up
 projection at the chunk's row count ([chunk, 576] @ [576, 1536] for the default model) are timed
 round by round in one process; median of `--repeats`. The projection runs as the loader runs the
-model's float32 linears on this host: `F.linear` (MKL), or oneDNN where MKL is slow (AMD CPUs).
+model's linears on this host: float32 by `F.linear` (MKL) or oneDNN (`--cpu-float32-linear auto`),
+bfloat16 by oneDNN with packed weights where the CPU has native bf16 (AVX512_BF16 / AMX).
+`--dtype bfloat16` times a bfloat16 query over a bfloat16 cache (the AMX path of the kernel on
+CPUs with AMX) against SDPA and the matmul in bfloat16.
 Attention's FLOPs are the causal triangle's: 4 * heads * head_dim * chunk * (chunk + 1) / 2 (QK^T
 and PV). The issue's goal: the kernel at >= 50% of the matmul's GFLOP/s for a 1,024-token chunk.
 
-    python -m pagedserve.benchmarks.prefill_attention [--chunk 1024] [--threads 1] [--isa avx2]
+    python -m pagedserve.benchmarks.prefill_attention [--chunk 1024] [--dtype bfloat16] [--isa avx2]
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pagedserve.benchmarks.workload import (
 )
 from pagedserve.cache.attention import AttentionMetadata
 from pagedserve.cache.attention.cpu import CpuPagedAttention, host_runnable_isas
-from pagedserve.engine.packed_linear import PackedLinear, can_pack_float32
+from pagedserve.engine.packed_linear import PackedLinear, can_pack, can_pack_float32
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,6 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--intermediate-size", type=int, default=1536, help="the matmul's N")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--repeats", type=int, default=9, help="timed rounds (median reported)")
     parser.add_argument(
         "--isa", nargs="+", default=None, help="kernel builds (default: all the host runs)"
@@ -61,12 +65,14 @@ def bench_prefill(
     repeats: int,
     isas: list[str] | None = None,
     intermediate_size: int = 1536,
+    dtype: torch.dtype = torch.float32,
 ) -> list[dict[str, Any]]:
     """One row per implementation: ms, GFLOP/s, and the fraction of the matmul's GFLOP/s.
-    `isas`: the kernel builds to time (None: every one the host runs)."""
+    `isas`: the kernel builds to time (None: every one the host runs); `dtype`: of the query, the
+    cache and the matmul."""
     num_blocks = -(-chunk // block_size)
     shape = (num_blocks + 4, block_size, kv_heads, head_dim)
-    key_cache, value_cache = torch.randn(shape), torch.randn(shape)
+    key_cache, value_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
     table = torch.randperm(num_blocks + 4)[:num_blocks].to(torch.int32)  # scattered, as served
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(chunk, dtype=torch.int64),
@@ -75,16 +81,17 @@ def bench_prefill(
         seq_lens=torch.tensor([chunk], dtype=torch.int32),
         max_query_len=chunk,
     )
-    query, scale = torch.randn(chunk, heads, head_dim), head_dim**-0.5
+    query, scale = torch.randn(chunk, heads, head_dim).to(dtype), head_dim**-0.5
 
     def contiguous(cache: torch.Tensor) -> torch.Tensor:  # [heads, chunk, head_dim], GQA expanded
         rows = cache[table.long()].reshape(-1, kv_heads, head_dim)[:chunk]
         return rows.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)[None]
 
     keys, values, queries = contiguous(key_cache), contiguous(value_cache), query.transpose(0, 1)
-    hidden = torch.randn(chunk, heads * head_dim)
+    hidden = torch.randn(chunk, heads * head_dim).to(dtype)
     linear = nn.Linear(heads * head_dim, intermediate_size, bias=False).requires_grad_(False)
-    if can_pack_float32(linear):  # the model's float32 linears run on oneDNN on this host
+    linear = linear.to(dtype)
+    if can_pack(linear) or can_pack_float32(linear):  # as the loader runs the model's linears
         linear = PackedLinear(linear)
     kernels = {isa: CpuPagedAttention(isa) for isa in isas or host_runnable_isas()}
     candidates: dict[str, Callable[[], Any]] = {
@@ -105,6 +112,7 @@ def bench_prefill(
         rows.append(
             {
                 "impl": name,
+                "dtype": str(dtype).removeprefix("torch."),
                 "chunk": chunk,
                 "median_ms": median * 1e3,
                 "gflop_per_s": flops / median / 1e9,
@@ -116,7 +124,8 @@ def bench_prefill(
 
 def print_prefill(rows: list[dict[str, Any]]) -> None:
     print(
-        f"prefill attention, one {rows[0]['chunk']}-token chunk, threads {torch.get_num_threads()}"
+        f"prefill attention, one {rows[0]['chunk']}-token chunk in {rows[0]['dtype']}, "
+        f"threads {torch.get_num_threads()}"
     )
     print(f"{'impl':<16} {'median ms':>10} {'GFLOP/s':>9} {'of matmul':>10}")
     for row in rows:
@@ -138,6 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         repeats=args.repeats,
         isas=args.isa,
         intermediate_size=args.intermediate_size,
+        dtype=getattr(torch, args.dtype),
     )
     print_prefill(rows)
     write_results(args.output, args, rows)
