@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from pagedserve.engine.module_swap import (
+    concatenated_linear,
     cpu_kernel_or_none,
     has_forward_of,
     is_bfloat16_cpu_model,
@@ -52,18 +53,8 @@ class FusedMLP(nn.Module):
 
     def __init__(self, mlp: nn.Module, kernel: ModuleType) -> None:
         super().__init__()
-        gate, up = mlp.gate_proj, mlp.up_proj
-        self.gate_up_proj = nn.Linear(  # on "meta": no throwaway weight is allocated
-            gate.in_features, 2 * gate.out_features, bias=gate.bias is not None, device="meta"
-        )
-        with torch.no_grad():  # rows [0, I) compute gate, rows [I, 2I) compute up
-            self.gate_up_proj.weight = nn.Parameter(
-                torch.cat([gate.weight, up.weight]), requires_grad=False
-            )
-            if gate.bias is not None:
-                self.gate_up_proj.bias = nn.Parameter(
-                    torch.cat([gate.bias, up.bias]), requires_grad=False
-                )
+        # Rows [0, I) of its output compute gate, rows [I, 2I) up.
+        self.gate_up_proj = concatenated_linear([mlp.gate_proj, mlp.up_proj])
         self.down_proj = mlp.down_proj
         self._kernel = kernel
 

@@ -30,6 +30,7 @@ from transformers import (
 from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16
 from pagedserve.cache.cache_engine import TORCH_DTYPES
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
+from pagedserve.engine.fused_attention import can_fuse_attention, fuse_attention
 from pagedserve.engine.fused_mlp import can_fuse_mlps, fuse_mlps
 from pagedserve.engine.fused_norm import can_fuse_norms, fuse_rms_norms
 from pagedserve.engine.packed_linear import can_pack, can_pack_float32, pack_linears
@@ -221,6 +222,8 @@ def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> No
     `cpu_float32_linear`."""
     if can_fuse_mlps(model):  # bfloat16 on the CPU: [gate; up] in one matmul, SiLU-and-mul in C++
         logger.info("fused %d bfloat16 MLP layers", fuse_mlps(model))
+    if can_fuse_attention(model):  # bfloat16 on the CPU: [q; k; v] in one matmul, RoPE in C++
+        logger.info("fused %d bfloat16 attention layers", fuse_attention(model))
     if can_pack(model):  # bfloat16 on a CPU with native bf16: oneDNN's layout, reordered once
         logger.info("packed %d bfloat16 linear layers for oneDNN", pack_linears(model))
     if can_widen_linears(model):  # bfloat16 on a CPU without native bf16: multiply in float32

@@ -106,3 +106,23 @@ def swap_children(model: nn.Module, replace: Callable[[str, nn.Module], nn.Modul
                 setattr(parent, name, replacement)
                 swapped += 1
     return swapped
+
+
+def concatenated_linear(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear layer computing `linears`' outputs side by side (their weights stacked along the
+    output dimension, biases too): one matrix multiply where a module ran several over one input."""
+    first = linears[0]
+    out_features = sum(linear.out_features for linear in linears)
+    has_bias = first.bias is not None
+    fused = nn.Linear(  # on "meta": no throwaway weight is allocated
+        first.in_features, out_features, bias=has_bias, device="meta"
+    )
+    with torch.no_grad():
+        fused.weight = nn.Parameter(
+            torch.cat([linear.weight for linear in linears]), requires_grad=False
+        )
+        if has_bias:
+            fused.bias = nn.Parameter(
+                torch.cat([linear.bias for linear in linears]), requires_grad=False
+            )
+    return fused

@@ -1,9 +1,10 @@
 """CPU paged attention: a C++/OpenMP kernel (csrc/paged_attention.cpp) built on first use.
 
-The same extension carries the bfloat16 RMSNorm (csrc/rms_norm.cpp, used by engine/fused_norm.py)
-and SiLU-and-multiply (csrc/silu_mul.cpp, used by engine/fused_mlp.py), the float32 linear for
-decode-sized batches (csrc/skinny_linear.cpp, used by engine/skinny_linear.py) and the K/V store
-(csrc/store_kv.cpp, `CpuPagedAttention.store_kv`).
+The same extension carries the bfloat16 RMSNorm (csrc/rms_norm.cpp, used by engine/fused_norm.py),
+rotary embedding (csrc/rope.cpp, engine/fused_attention.py) and SiLU-and-multiply
+(csrc/silu_mul.cpp, engine/fused_mlp.py), the float32 linear for decode-sized batches
+(csrc/skinny_linear.cpp, engine/skinny_linear.py) and the K/V store (csrc/store_kv.cpp,
+`CpuPagedAttention.store_kv`).
 
 The build is cached under ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``)
 in a directory keyed by the source, the torch install, the target ISA (``$PAGEDSERVE_CPU_ISA``:
@@ -39,6 +40,7 @@ _SOURCES = tuple(
     for name in (
         "paged_attention.cpp",
         "rms_norm.cpp",
+        "rope.cpp",
         "silu_mul.cpp",
         "skinny_linear.cpp",
         "store_kv.cpp",

@@ -882,10 +882,12 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   return output;
 }
 
-// rms_norm.cpp, silu_mul.cpp, skinny_linear.cpp and store_kv.cpp, built into the same extension (one build per
-// ISA, one load).
+// rms_norm.cpp, rope.cpp, silu_mul.cpp, skinny_linear.cpp and store_kv.cpp, built into the same
+// extension (one build per ISA, one load).
 torch::Tensor rms_norm_bf16(const torch::Tensor& input, const torch::Tensor& weight, double eps);
 torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
+void rope_bf16_(const torch::Tensor& states, const torch::Tensor& cos, const torch::Tensor& sin,
+                int64_t num_heads, int64_t head_dim);
 torch::Tensor skinny_linear_fp32(const torch::Tensor& input, const torch::Tensor& weight);
 void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
               torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
@@ -917,6 +919,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Hugging Face's LlamaRMSNorm of bfloat16 rows in one pass (rms_norm.cpp)");
   m.def("silu_mul_bf16", &silu_mul_bf16, py::arg("gate_up"), no_gil,
         "SiLU(gate) * up of bfloat16 [..., 2 * I] rows, as LlamaMLP rounds it (silu_mul.cpp)");
+  m.def("rope_bf16_", &rope_bf16_, py::arg("states"), py::arg("cos"), py::arg("sin"),
+        py::arg("num_heads"), py::arg("head_dim"), no_gil,
+        "Hugging Face's apply_rotary_pos_emb, in place, on the first num_heads heads of each "
+        "bfloat16 row (rope.cpp)");
   m.def("skinny_linear_fp32", &skinny_linear_fp32, py::arg("input"), py::arg("weight"), no_gil,
         "float32 input @ weight.T for at most 16 rows, weights streamed once (skinny_linear.cpp)");
   m.def("store_kv", &store_kv, py::arg("key"), py::arg("value"), py::arg("key_cache"),
