@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 from pagedserve.engine import skinny_linear
+from pagedserve.engine.fused_attention import FusedAttention
 from pagedserve.engine.model_loader import load_model
 from pagedserve.engine.packed_linear import (
     PackedLinear,
@@ -64,7 +65,10 @@ def test_only_bfloat16_cpu_models_on_cpus_with_native_bf16_are_packed():
 def test_the_loader_packs_a_bfloat16_model_and_leaves_float32_alone(default_model_path):
     bf16 = load_model(ModelConfig(model=DEFAULT_MODEL, dtype="bfloat16"), "cpu").model
     assert isinstance(bf16.lm_head, PackedLinear)
-    assert isinstance(bf16.model.layers[0].self_attn.q_proj, PackedLinear)
+    attention = bf16.model.layers[0].self_attn
+    assert isinstance(attention, FusedAttention)  # [q; k; v] fused, then packed
+    assert isinstance(attention.qkv_proj, PackedLinear)
+    assert isinstance(attention.o_proj, PackedLinear)
     assert isinstance(bf16.model.layers[0].mlp.gate_up_proj, PackedLinear)  # fused, then packed
     config = ModelConfig(model=DEFAULT_MODEL, dtype="float32", cpu_float32_linear="mkl")
     fp32 = load_model(config, "cpu").model

@@ -13,6 +13,7 @@ from torch import nn
 from pagedserve.cache.attention.cpu import load_cpu_kernel
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 from pagedserve.engine import model_loader, packed_linear, skinny_linear, widened_linear
+from pagedserve.engine.fused_attention import FusedAttention
 from pagedserve.engine.fused_mlp import FusedMLP
 from pagedserve.engine.model_loader import load_model
 from pagedserve.engine.packed_linear import PackedLinear
@@ -106,7 +107,9 @@ def test_the_loader_widens_a_bfloat16_model_and_runs_its_float32_fast_paths(wide
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     layer = model.model.layers[0]
     assert isinstance(layer.mlp, FusedMLP)  # fused first, then its [gate; up] linear widened
-    for linear in (layer.self_attn.q_proj, layer.mlp.gate_up_proj, model.lm_head):
+    assert isinstance(layer.self_attn, FusedAttention)  # and its [q; k; v] linear
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj)
+    for linear in (*linears, model.lm_head):
         assert isinstance(linear, WidenedLinear)
         # AVX2 only, oneDNN: 1-16 rows through the kernel, the rest through the packed copy
         assert isinstance(linear.inner, SkinnyLinear)
@@ -115,8 +118,8 @@ def test_the_loader_widens_a_bfloat16_model_and_runs_its_float32_fast_paths(wide
     assert model.lm_head.weight is model.model.embed_tokens.weight
     with hugging_face_linears(model):  # references get bf16 nn.Linear back, the same weights
         assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.bfloat16
-        q_proj = model.model.layers[0].self_attn.q_proj
-        assert type(q_proj) is nn.Linear and q_proj.weight.dtype == torch.bfloat16
+        o_proj = model.model.layers[0].self_attn.o_proj
+        assert type(o_proj) is nn.Linear and o_proj.weight.dtype == torch.bfloat16
     assert isinstance(model.lm_head, WidenedLinear) and isinstance(
         model.lm_head.inner, SkinnyLinear
     )
