@@ -178,6 +178,13 @@ class Reference:
     top2_gaps: list[float]
 
 
+def load_default_on_cpu(dtype: str) -> torch.nn.Module:
+    """The default model as the loader serves it on this CPU in `dtype` (its CPU module swaps
+    included), with SDPA attention so it runs outside the engine: for comparing logits."""
+    config = ModelConfig(model=DEFAULT_MODEL, dtype=dtype)
+    return load_model(config, "cpu", attn_implementation="sdpa").model
+
+
 def mean_logit_errors(
     models: dict[str, torch.nn.Module], reference: torch.nn.Module, tokenizer
 ) -> dict[str, float]:

@@ -13,7 +13,6 @@ from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from pagedserve.cache.attention.cpu import host_runnable_isas, load_cpu_kernel
-from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 from pagedserve.engine import model_loader
 from pagedserve.engine.fused_attention import (
     FusedAttention,
@@ -21,8 +20,7 @@ from pagedserve.engine.fused_attention import (
     computes_llama_attention,
     fuse_attention,
 )
-from pagedserve.engine.model_loader import load_model
-from tests.engine.conftest import make_tiny_model, mean_logit_errors
+from tests.engine.conftest import load_default_on_cpu, make_tiny_model, mean_logit_errors
 
 
 @pytest.mark.parametrize("isa", host_runnable_isas())
@@ -133,17 +131,12 @@ def test_the_loader_fuses_bfloat16_attention_as_close_to_float32_as_the_module(
     # Below 512 rows the [q; k; v] matmul gives the three projections' bits; from 512 rows oneDNN
     # blocks it differently and an ulp flips here and there (3 in 100,000 values): no further from
     # the float32 model than the module is.
-    def load(dtype: str) -> nn.Module:
-        config = ModelConfig(model=DEFAULT_MODEL, dtype=dtype)
-        return load_model(config, "cpu", attn_implementation="sdpa").model
-
-    fused, reference = load("bfloat16"), load("float32")
+    fused, reference = load_default_on_cpu("bfloat16"), load_default_on_cpu("float32")
     assert sum(isinstance(m, FusedAttention) for m in fused.modules()) == 30
     assert type(reference.model.layers[0].self_attn) is LlamaAttention
     monkeypatch.setattr(model_loader, "can_fuse_attention", lambda model: False)
-    plain = load(
-        "bfloat16"
-    )  # the same bfloat16 model (packed, fused MLP and norms), HF's attention
+    # The same bfloat16 model (packed, fused MLP and norms) with HF's attention.
+    plain = load_default_on_cpu("bfloat16")
     assert type(plain.model.layers[0].self_attn) is LlamaAttention
     errors = mean_logit_errors({"fused": fused, "module": plain}, reference, default_tokenizer)
     assert errors["fused"] <= 1.15 * errors["module"], errors

@@ -15,7 +15,6 @@ from transformers.models.phi3.modeling_phi3 import Phi3MLP
 from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
 from pagedserve.cache.attention.cpu import host_runnable_isas, load_cpu_kernel
-from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 from pagedserve.engine import model_loader
 from pagedserve.engine.fused_mlp import (
     TOLERANCE,
@@ -24,8 +23,7 @@ from pagedserve.engine.fused_mlp import (
     computes_llama_mlp,
     fuse_mlps,
 )
-from pagedserve.engine.model_loader import load_model
-from tests.engine.conftest import make_tiny_model, mean_logit_errors
+from tests.engine.conftest import load_default_on_cpu, make_tiny_model, mean_logit_errors
 
 
 def assert_close_to_the_module(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -133,15 +131,13 @@ def test_float32_models_keep_hugging_faces_mlp(default_tokenizer):
 def test_the_loader_fuses_bfloat16_as_close_to_float32_as_the_module(
     default_model_path, default_tokenizer, monkeypatch
 ):
-    def load(dtype: str) -> nn.Module:
-        config = ModelConfig(model=DEFAULT_MODEL, dtype=dtype)
-        return load_model(config, "cpu", attn_implementation="sdpa").model
-
-    fused, reference = load("bfloat16"), load("float32")
+    fused, reference = load_default_on_cpu("bfloat16"), load_default_on_cpu("float32")
     assert sum(isinstance(m, FusedMLP) for m in fused.modules()) == 30
     assert type(reference.model.layers[0].mlp) is LlamaMLP
     monkeypatch.setattr(model_loader, "can_fuse_mlps", lambda model: False)
-    plain = load("bfloat16")  # the same bfloat16 model (packed, fused norms), HF's MLP
+    plain = load_default_on_cpu(
+        "bfloat16"
+    )  # the same bfloat16 model (packed, fused norms), HF's MLP
     assert type(plain.model.layers[0].mlp) is LlamaMLP
     errors = mean_logit_errors({"fused": fused, "module": plain}, reference, default_tokenizer)
     assert errors["fused"] <= 1.15 * errors["module"], errors

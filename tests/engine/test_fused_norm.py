@@ -14,7 +14,6 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from pagedserve.cache.attention.cpu import host_runnable_isas, load_cpu_kernel
-from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 from pagedserve.engine.fused_norm import (
     TOLERANCE,
     FusedRMSNorm,
@@ -22,8 +21,7 @@ from pagedserve.engine.fused_norm import (
     computes_llama_rms_norm,
     fuse_rms_norms,
 )
-from pagedserve.engine.model_loader import load_model
-from tests.engine.conftest import make_tiny_model, mean_logit_errors
+from tests.engine.conftest import load_default_on_cpu, make_tiny_model, mean_logit_errors
 
 SHAPES = [(1, 576), (64, 576), (2, 7, 576), (3, 4, 64), (5, 1536)]  # rows, batches, q/k norms
 
@@ -83,14 +81,10 @@ def test_float32_models_keep_hugging_faces_norm(default_tokenizer):
 def test_the_loader_fuses_bfloat16_as_close_to_float32_as_the_module_and_leaves_float32_alone(
     default_model_path, default_tokenizer
 ):
-    def load(dtype: str) -> nn.Module:
-        config = ModelConfig(model=DEFAULT_MODEL, dtype=dtype)
-        return load_model(config, "cpu", attn_implementation="sdpa").model
-
-    fused, reference = load("bfloat16"), load("float32")
+    fused, reference = load_default_on_cpu("bfloat16"), load_default_on_cpu("float32")
     assert sum(isinstance(m, FusedRMSNorm) for m in fused.modules()) == 2 * 30 + 1
     assert type(reference.model.norm) is LlamaRMSNorm
-    plain = load("bfloat16")
+    plain = load_default_on_cpu("bfloat16")
     for parent in list(plain.modules()):  # the same bfloat16 model with Hugging Face's norms
         for name, child in list(parent.named_children()):
             if isinstance(child, FusedRMSNorm):
