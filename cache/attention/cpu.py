@@ -4,7 +4,7 @@ The same extension carries the bfloat16 RMSNorm (csrc/rms_norm.cpp, used by engi
 rotary embedding (csrc/rope.cpp, engine/fused_attention.py) and SiLU-and-multiply
 (csrc/silu_mul.cpp, engine/fused_mlp.py), the float32 linear for decode-sized batches
 (csrc/skinny_linear.cpp, engine/skinny_linear.py) and the K/V store (csrc/store_kv.cpp,
-`CpuPagedAttention.store_kv`).
+`CpuPagedAttention.store_kv`); csrc/bindings.cpp binds them all into one Python module.
 
 The build is cached under ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``)
 in a directory keyed by the source, the torch install, the target ISA (``$PAGEDSERVE_CPU_ISA``:
@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in (
+        "bindings.cpp",
         "paged_attention.cpp",
         "rms_norm.cpp",
         "rope.cpp",
@@ -47,7 +48,8 @@ _SOURCES = tuple(
     )
 )
 _HEADERS = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("bfloat16_bits.h", "amx_attention.h")
+    Path(__file__).parent / "csrc" / name
+    for name in ("aten_ops.h", "bfloat16_bits.h", "amx_attention.h")
 )  # part of the build key too
 # -Wno-psabi: GCC notes the ABI of wide vector returns; they never leave the file.
 # Tuples: torch appends its own libraries to the flag lists it is given, and a module-level list
@@ -169,7 +171,7 @@ def _load_cpu_kernel(isa: str) -> ModuleType:
     flock = _open_build_lock(build_dir)
     if not (build_dir / f"pagedserve_paged_attention_{key}.so").exists():
         logger.info(
-            "building the CPU attention kernel in %s (first use, about a minute)", build_dir
+            "building the CPU attention kernel in %s (first use, under a minute)", build_dir
         )
     # torch's own build lock is a plain file that a killed builder leaves behind, after which every
     # later start waits forever. An flock dies with its holder: whoever holds it is the only

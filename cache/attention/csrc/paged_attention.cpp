@@ -36,9 +36,7 @@
 // [tokens, heads, head_dim] transpose). A bfloat16 query is widened and the output rounded (to
 // nearest even, as torch's .to()) row by row here, rather than by two whole-tensor copies per
 // layer around the call; the bits are the same. Every accumulation is float32.
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
+#include "aten_ops.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -793,14 +791,14 @@ void run(const Problem<cache_t>& problem, const std::vector<WorkItem>& items) {
 }
 
 template <typename cache_t>
-void launch(const torch::Tensor& query, const torch::Tensor& key_cache,
-            const torch::Tensor& value_cache, torch::Tensor& output,
-            const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-            const torch::Tensor& seq_lens, double scale, int64_t sliding_window, double softcap,
-            const c10::optional<torch::Tensor>& sinks, const std::vector<WorkItem>& items) {
+void launch(const at::Tensor& query, const at::Tensor& key_cache,
+            const at::Tensor& value_cache, at::Tensor& output,
+            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+            const at::Tensor& seq_lens, double scale, int64_t sliding_window, double softcap,
+            const c10::optional<at::Tensor>& sinks, const std::vector<WorkItem>& items) {
   const Problem<cache_t> problem{
       query.data_ptr(), query.stride(0), query.stride(1),
-      query.scalar_type() == torch::kBFloat16,
+      query.scalar_type() == at::kBFloat16,
       static_cast<const cache_t*>(key_cache.data_ptr()),
       static_cast<const cache_t*>(value_cache.data_ptr()), output.data_ptr(),
       block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
@@ -819,17 +817,17 @@ void launch(const torch::Tensor& query, const torch::Tensor& key_cache,
 
 }  // namespace
 
-torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
-                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                              const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                              const at::Tensor& value_cache, const at::Tensor& block_tables,
+                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                               double scale, int64_t sliding_window, double softcap,
-                              const c10::optional<torch::Tensor>& sinks) {
+                              const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query must be [num_tokens, num_heads, "
               "head_dim] and key_cache [num_blocks, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() &&
                   key_cache.scalar_type() == value_cache.scalar_type(),
               "key and value caches differ in shape or dtype");
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 || query.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
               "query must be float32 or bfloat16 (got ", query.scalar_type(),
               "); the caller converts");
   TORCH_CHECK(query.stride(2) == 1, "the query's head_dim must be contiguous (any token and "
@@ -842,7 +840,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
                 tensor->device());
   }
   for (const auto* index : {&block_tables, &query_start_loc, &seq_lens}) {
-    TORCH_CHECK(index->scalar_type() == torch::kInt32 && index->is_contiguous(),
+    TORCH_CHECK(index->scalar_type() == at::kInt && index->is_contiguous(),
                 "block_tables, query_start_loc and seq_lens must be contiguous int32");
   }
   const int num_heads = query.size(1), num_kv_heads = key_cache.size(2);
@@ -855,13 +853,13 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1 && block_tables.size(0) == num_reqs,
               "metadata sizes disagree with seq_lens");
   TORCH_CHECK(sliding_window >= 0 && softcap >= 0.0, "sliding_window and softcap must be >= 0");
-  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat &&
                                      sinks->is_contiguous() && sinks->numel() == num_heads),
               "sinks must be a contiguous float32 tensor of num_heads logits");
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   TORCH_CHECK(qsl[num_reqs] == query.size(0), "query_start_loc[-1] != num_tokens");
 
-  auto output = torch::empty({query.size(0), num_heads, head_dim}, query.options());
+  auto output = at::empty({query.size(0), num_heads, head_dim}, query.options());
   // Block ids themselves are trusted (the block manager owns them); lengths are checked.
   const auto items = make_work_items(qsl, seq_lens.data_ptr<int32_t>(), num_reqs,
                                      block_tables.size(1) * key_cache.size(1));
@@ -871,10 +869,10 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
                     seq_lens, scale, sliding_window, softcap, sinks, items);
   };
   switch (key_cache.scalar_type()) {
-    case torch::kFloat32: run_for(float{}); break;
-    case torch::kBFloat16: run_for(at::BFloat16{}); break;
-    case torch::kFloat16: run_for(at::Half{}); break;
-    case torch::kFloat8_e4m3fn: run_for(Fp8E4M3{}); break;
+    case at::kFloat: run_for(float{}); break;
+    case at::kBFloat16: run_for(at::BFloat16{}); break;
+    case at::kHalf: run_for(at::Half{}); break;
+    case at::kFloat8_e4m3fn: run_for(Fp8E4M3{}); break;
     default:
       TORCH_CHECK(false, "the KV cache must be float32, bfloat16, float16 or float8_e4m3fn, not ",
                   key_cache.scalar_type());
@@ -882,51 +880,21 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   return output;
 }
 
-// rms_norm.cpp, rope.cpp, silu_mul.cpp, skinny_linear.cpp and store_kv.cpp, built into the same
-// extension (one build per ISA, one load).
-torch::Tensor rms_norm_bf16(const torch::Tensor& input, const torch::Tensor& weight, double eps);
-torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
-void rope_bf16_(const torch::Tensor& states, const torch::Tensor& cos, const torch::Tensor& sin,
-                int64_t num_heads, int64_t head_dim);
-torch::Tensor skinny_linear_fp32(const torch::Tensor& input, const torch::Tensor& weight);
-void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
-              torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
+// What the build targets, for the module's attributes (bindings.cpp).
+int vector_lanes() { return kLanes; }  // 16 (AVX-512) or 8 (AVX2)
 
-// Every entry point releases the GIL while it runs (arguments are converted before, the result
-// after): a long prefill's attention would otherwise hold the server's event loop, and /health,
-// for as long as it computes. torch's own operators release it the same way.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  const auto no_gil = py::call_guard<py::gil_scoped_release>();
-  m.attr("vector_lanes") = kLanes;  // what the build targets: 16 (AVX-512) or 8 (AVX2)
+bool bf16_dot_products() {  // bfloat16 q . k on AVX512_BF16 (score_row_dpbf16)
 #ifdef PAGEDSERVE_DPBF16
-  m.attr("bf16_dot_products") = true;  // bfloat16 q . k on AVX512_BF16 (score_row_dpbf16)
+  return true;
 #else
-  m.attr("bf16_dot_products") = false;
+  return false;
 #endif
+}
+
+bool amx_tiles() {  // bfloat16 prefill items on AMX (amx_attention.h), where Linux grants them
 #ifdef PAGEDSERVE_AMX
-  m.attr("amx_tiles") = amx::tiles_permitted();  // bfloat16 prefill items on AMX (amx_attention.h)
+  return amx::tiles_permitted();
 #else
-  m.attr("amx_tiles") = false;
+  return false;
 #endif
-  m.def("paged_attention", &paged_attention, py::arg("query"), py::arg("key_cache"),
-        py::arg("value_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,
-        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), no_gil,
-        "Paged attention over a mixed batch (float32 or bfloat16 query, strided, any supported "
-        "cache dtype); returns [num_tokens, num_heads, head_dim] in the query's dtype");
-  m.def("rms_norm_bf16", &rms_norm_bf16, py::arg("input"), py::arg("weight"), py::arg("eps"),
-        no_gil,
-        "Hugging Face's LlamaRMSNorm of bfloat16 rows in one pass (rms_norm.cpp)");
-  m.def("silu_mul_bf16", &silu_mul_bf16, py::arg("gate_up"), no_gil,
-        "SiLU(gate) * up of bfloat16 [..., 2 * I] rows, as LlamaMLP rounds it (silu_mul.cpp)");
-  m.def("rope_bf16_", &rope_bf16_, py::arg("states"), py::arg("cos"), py::arg("sin"),
-        py::arg("num_heads"), py::arg("head_dim"), no_gil,
-        "Hugging Face's apply_rotary_pos_emb, in place, on the first num_heads heads of each "
-        "bfloat16 row (rope.cpp)");
-  m.def("skinny_linear_fp32", &skinny_linear_fp32, py::arg("input"), py::arg("weight"), no_gil,
-        "float32 input @ weight.T for at most 16 rows, weights streamed once (skinny_linear.cpp)");
-  m.def("store_kv", &store_kv, py::arg("key"), py::arg("value"), py::arg("key_cache"),
-        py::arg("value_cache"), py::arg("slot_mapping"), no_gil,
-        "Write each token's K/V rows (strided [tokens, kv_heads, head_dim], the cache's dtype) "
-        "into flat slot slot_mapping[i] of the caches, in place (store_kv.cpp)");
 }

@@ -12,9 +12,7 @@
 // (tests/engine/test_fused_norm.py: as close to the float32 model as the module is). Used for
 // bfloat16 models only: float32 models keep Hugging Face's module, whose every bit the equality
 // tests with `generate` check.
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
+#include "aten_ops.h"
 
 #include <cmath>
 #include <cstdint>
@@ -24,15 +22,15 @@
 using pagedserve::bf16_to_float;
 using pagedserve::float_to_bf16;
 
-torch::Tensor rms_norm_bf16(const torch::Tensor& input, const torch::Tensor& weight, double eps) {
-  TORCH_CHECK(input.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16,
+at::Tensor rms_norm_bf16(const at::Tensor& input, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "rms_norm_bf16 takes bfloat16 input and weight");
   TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), "rms_norm_bf16 is CPU-only");
   const int64_t size = input.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size, "weight must be [", size, "]");
   const auto x = input.contiguous();
   const auto w = weight.contiguous();
-  auto output = torch::empty_like(x);
+  auto output = at::empty_like(x);
   const int64_t num_rows = size == 0 ? 0 : x.numel() / size;
   const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* gamma = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());

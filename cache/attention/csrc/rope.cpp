@@ -9,9 +9,7 @@
 //   out[i + D / 2] = bf16(bf16(x2[i] * cos[i + D / 2]) + bf16( x1[i] * sin[i + D / 2]))
 // for i < D / 2, each product and the sum in float32 then rounded, as ATen's bfloat16 multiply and
 // add are (the negation is exact, and rounding is symmetric in sign), so the bits are the module's.
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
+#include "aten_ops.h"
 
 #include <cstdint>
 
@@ -26,10 +24,10 @@ inline float rounded(float value) { return bf16_to_float(float_to_bf16(value)); 
 
 }  // namespace
 
-void rope_bf16_(const torch::Tensor& states, const torch::Tensor& cos, const torch::Tensor& sin,
+void rope_bf16_(const at::Tensor& states, const at::Tensor& cos, const at::Tensor& sin,
                 int64_t num_heads, int64_t head_dim) {
   for (const auto* tensor : {&states, &cos, &sin}) {
-    TORCH_CHECK(tensor->scalar_type() == torch::kBFloat16 && tensor->device().is_cpu(),
+    TORCH_CHECK(tensor->scalar_type() == at::kBFloat16 && tensor->device().is_cpu(),
                 "rope_bf16_ takes bfloat16 CPU tensors");
     TORCH_CHECK(tensor->dim() == 2 && tensor->stride(1) == 1, "rope_bf16_ takes 2-D row tensors "
                 "with contiguous rows");

@@ -9,9 +9,7 @@
 // branch-free scalar code the compiler vectorises. After the rounding to bfloat16 it agrees with
 // ATen's SiLU for every one of the 65,282 non-NaN bfloat16 gates (tests/engine/test_fused_mlp.py
 // checks them all), so the op is bit-identical to the module's act_fn(gate) * up. bfloat16 only.
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
+#include "aten_ops.h"
 
 #include <cmath>
 #include <cstdint>
@@ -54,8 +52,8 @@ inline float silu(float g) {
 
 }  // namespace
 
-torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "silu_mul_bf16 takes bfloat16 input");
+at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_mul_bf16 takes bfloat16 input");
   TORCH_CHECK(gate_up.device().is_cpu(), "silu_mul_bf16 is CPU-only");
   const int64_t width = gate_up.size(-1);
   TORCH_CHECK(width % 2 == 0, "the last dimension must be [gate; up], even; got ", width);
@@ -63,7 +61,7 @@ torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up) {
   const auto x = gate_up.contiguous();
   auto output_shape = x.sizes().vec();
   output_shape.back() = size;
-  auto output = torch::empty(output_shape, x.options());
+  auto output = at::empty(output_shape, x.options());
   const int64_t num_rows = size == 0 ? 0 : x.numel() / width;
   const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto* dst = reinterpret_cast<uint16_t*>(output.data_ptr<at::BFloat16>());

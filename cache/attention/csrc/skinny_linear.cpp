@@ -15,9 +15,7 @@
 // Not MKL's summation order: results agree with F.linear to float32 rounding, not bit for bit.
 // engine/skinny_linear.py uses it for the LM head only, where nothing downstream but the argmax
 // and the logprobs sees that difference.
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
+#include "aten_ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -114,8 +112,8 @@ constexpr TileFn kTileFns[kRowTile] = {
 
 }  // namespace
 
-torch::Tensor skinny_linear_fp32(const torch::Tensor& input, const torch::Tensor& weight) {
-  TORCH_CHECK(input.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
+at::Tensor skinny_linear_fp32(const at::Tensor& input, const at::Tensor& weight) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "skinny_linear_fp32 takes float32 input and weight");
   TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), "skinny_linear_fp32 is CPU-only");
   TORCH_CHECK(weight.dim() == 2, "weight must be [out_features, in_features]");
@@ -127,7 +125,7 @@ torch::Tensor skinny_linear_fp32(const torch::Tensor& input, const torch::Tensor
   TORCH_CHECK(num_rows <= kMaxRows, "skinny_linear_fp32 takes at most ", kMaxRows, " rows");
   auto output_shape = input.sizes().vec();
   output_shape.back() = n;
-  auto output = torch::empty({num_rows, n}, x.options());
+  auto output = at::empty({num_rows, n}, x.options());
   const float* src = x.data_ptr<float>();
   const float* weights = w.data_ptr<float>();
   float* dst = output.data_ptr<float>();

@@ -13,16 +13,14 @@
 // Dtype-blind (a row is head_dim elements of the cache's dtype); the caller converts K/V to the
 // cache's dtype first where they differ (float32 into bfloat16 or fp8). Slots are checked before
 // anything is written: a bad slot raises and leaves the caches as they were.
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
+#include "aten_ops.h"
 
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-void check_rows(const torch::Tensor& rows, const torch::Tensor& cache, const char* name) {
+void check_rows(const at::Tensor& rows, const at::Tensor& cache, const char* name) {
   TORCH_CHECK(rows.dim() == 3 && rows.size(1) == cache.size(2) && rows.size(2) == cache.size(3),
               name, " must be [num_tokens, num_kv_heads, head_dim] = [*, ", cache.size(2), ", ",
               cache.size(3), "], got ", rows.sizes());
@@ -34,8 +32,8 @@ void check_rows(const torch::Tensor& rows, const torch::Tensor& cache, const cha
 
 }  // namespace
 
-void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
-              torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
+void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+              at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
                   key_cache.scalar_type() == value_cache.scalar_type(),
               "the caches must be [num_blocks, block_size, num_kv_heads, head_dim], alike");
@@ -44,7 +42,7 @@ void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   check_rows(key, key_cache, "key");
   check_rows(value, value_cache, "value");
   TORCH_CHECK(slot_mapping.device().is_cpu(), "slot_mapping must be a CPU tensor");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 &&
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                   slot_mapping.is_contiguous() && slot_mapping.size(0) == key.size(0) &&
                   value.size(0) == key.size(0),
               "slot_mapping must be a contiguous int64 [num_tokens] matching key and value");
