@@ -322,13 +322,16 @@ def test_cpu_kernel_lets_no_stale_slot_into_a_result(cpu_backend, paged_batch, d
     assert torch.equal(actual, expected)
 
 
-def test_native_build_uses_amx_tiles_where_the_cpu_has_them(cpu_backend):
-    # bfloat16 prefill items run on AMX tiles (amx_attention.h) in a native build on a CPU with
-    # AMX_BF16, where Linux grants the tile state (5.16 and later): a build that silently lost the
-    # path would still pass every accuracy test, only slower.
+def test_native_build_uses_bf16_products_and_amx_tiles_where_the_cpu_has_them(cpu_backend):
+    # A native build on a CPU with AVX512_BF16 scores bfloat16 keys by vdpbf16ps and runs bfloat16
+    # prefill items as tile products (tile_attention.h), on AMX tiles where the CPU has AMX_BF16
+    # and Linux grants the tile state (5.16 and later): a build that silently lost either path
+    # would still pass every accuracy test, only slower.
     from pagedserve.cache.attention.cpu_features import host_cpu_flags
 
-    amx_host = cpu_backend.isa == "native" and "amx_bf16" in host_cpu_flags()
+    native = cpu_backend.isa == "native"
+    assert cpu_backend._kernel.bf16_dot_products is (native and "avx512_bf16" in host_cpu_flags())
+    amx_host = native and "amx_bf16" in host_cpu_flags()
     if not amx_host:
         assert cpu_backend._kernel.amx_tiles is False
     elif _linux_version() >= (5, 16):

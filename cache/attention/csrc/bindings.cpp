@@ -36,7 +36,7 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.attr("vector_lanes") = vector_lanes();  // what the build targets: 16 (AVX-512) or 8 (AVX2)
-  m.attr("bf16_dot_products") = bf16_dot_products();  // bfloat16 q . k on AVX512_BF16
+  m.attr("bf16_dot_products") = bf16_dot_products();  // AVX512_BF16 scores and prefill tiles
   m.attr("amx_tiles") = amx_tiles();  // bfloat16 prefill items on AMX tiles
   m.def("paged_attention", &paged_attention, py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("query_start_loc"),

@@ -29,7 +29,9 @@
 // float32 buffer, as are float16 and fp8 rows (zero-padded to whole vectors). On a 2-core AMD EPYC
 // (Zen 4) these changes, the value pass over several rows and L2 prefetching took a 64 x 1,024
 // decode step from 2.1x to 1.4-1.7x the time of a plain read of its K/V in float32, and from 4.5x
-// to 1.3x in bfloat16 (benchmarks/RESULTS.md, "Sixth session").
+// to 1.3x in bfloat16 (benchmarks/RESULTS.md, "Sixth session"). Where the build has AVX512_BF16,
+// prefill items (>= kTileMinRows rows per kv head) of bfloat16 queries over a bfloat16 cache take
+// tile products instead (tile_attention.h).
 //
 // The cache may hold float32, bfloat16, float16 or fp8 (e4m3) values; queries and outputs are
 // float32 or bfloat16 (the output in the query's dtype), and the query may be a strided view (HF's
@@ -42,7 +44,7 @@
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__)
-#include <sys/syscall.h>  // arch_prctl: permission for AMX tile state (amx_attention.h)
+#include <sys/syscall.h>  // arch_prctl: permission for AMX tile state (tile_attention.h)
 #include <unistd.h>
 #endif
 
@@ -471,18 +473,21 @@ inline void softmax_update(float* scores, int num_keys, int stride, float* acc, 
   row_sum += horizontal_sum(tile_sum);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#ifdef PAGEDSERVE_DPBF16
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PAGEDSERVE_AMX 1
-#include "amx_attention.h"
+#endif
+#include "tile_attention.h"
 
-// Items of at least this many rows per kv head (tokens x group size) take AMX tiles: a tile has
-// 16 rows, and a decode token's few rows would leave most of them empty.
-constexpr int kAmxMinRows = 8;
+// Items of at least this many rows per kv head (tokens x group size) take the tile path: its
+// products run on groups of 16 rows, and a decode token's few rows would leave most of them empty.
+constexpr int kTileMinRows = 8;
 
-// A prefill item over a bfloat16 cache with bfloat16 queries, on AMX tiles (amx_attention.h), one
-// kv head after the other. Same rows, keys and options as attend_item.
+// A prefill item over a bfloat16 cache with bfloat16 queries as tile products (tile_attention.h),
+// one kv head after the other: on AMX where the build has it and Linux grants the tile state,
+// else by AVX512_BF16 dot products. Same rows, keys and options as attend_item.
 template <int HEAD_DIM>
-void attend_item_amx(const Problem<at::BFloat16>& p, const WorkItem& item, int head_begin,
+void attend_item_tiles(const Problem<at::BFloat16>& p, const WorkItem& item, int head_begin,
                      int head_end) {
   const int group_size = p.num_heads / p.num_kv_heads;
   const int query_start = p.query_start_loc[item.request];
@@ -492,7 +497,7 @@ void attend_item_amx(const Problem<at::BFloat16>& p, const WorkItem& item, int h
   std::vector<const uint16_t*> query_rows(num_rows);
   std::vector<uint16_t*> output_rows(num_rows);
   std::vector<float> row_sinks(p.sinks != nullptr ? num_rows : 0);
-  amx::HeadTask task{query_rows.data(), output_rows.data(),
+  tiles::HeadTask task{query_rows.data(), output_rows.data(),
                      p.sinks != nullptr ? row_sinks.data() : nullptr, num_rows, group_size,
                      chunk_position + item.query_begin};
   task.slot_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
@@ -516,7 +521,13 @@ void attend_item_amx(const Problem<at::BFloat16>& p, const WorkItem& item, int h
     }
     task.key_cache = reinterpret_cast<const uint16_t*>(p.key_cache) + kv_head * HEAD_DIM;
     task.value_cache = reinterpret_cast<const uint16_t*>(p.value_cache) + kv_head * HEAD_DIM;
-    amx::attend_head<HEAD_DIM>(task);
+#ifdef PAGEDSERVE_AMX
+    if (tiles::tiles_permitted()) {
+      tiles::attend_head<HEAD_DIM, tiles::AmxProducts>(task);
+      continue;
+    }
+#endif
+    tiles::attend_head<HEAD_DIM, tiles::VectorProducts>(task);
   }
 }
 #endif
@@ -525,12 +536,11 @@ void attend_item_amx(const Problem<at::BFloat16>& p, const WorkItem& item, int h
 // it from the problem, including head sizes that end in a partial vector (zero padding).
 template <typename cache_t, int CHUNKS>
 void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin, int head_end) {
-#ifdef PAGEDSERVE_AMX
+#ifdef PAGEDSERVE_DPBF16
   if constexpr (std::is_same_v<cache_t, at::BFloat16> && CHUNKS > 0 && CHUNKS * kLanes % 32 == 0) {
     if (p.bfloat16_io && p.block_size % 16 == 0 &&
-        (item.query_end - item.query_begin) * (p.num_heads / p.num_kv_heads) >= kAmxMinRows &&
-        amx::tiles_permitted()) {
-      return attend_item_amx<CHUNKS * kLanes>(p, item, head_begin, head_end);
+        (item.query_end - item.query_begin) * (p.num_heads / p.num_kv_heads) >= kTileMinRows) {
+      return attend_item_tiles<CHUNKS * kLanes>(p, item, head_begin, head_end);
     }
   }
 #endif
@@ -883,7 +893,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 // What the build targets, for the module's attributes (bindings.cpp).
 int vector_lanes() { return kLanes; }  // 16 (AVX-512) or 8 (AVX2)
 
-bool bf16_dot_products() {  // bfloat16 q . k on AVX512_BF16 (score_row_dpbf16)
+// bfloat16 q . k on AVX512_BF16 (score_row_dpbf16), bfloat16 prefill items as tile products
+// (tile_attention.h).
+bool bf16_dot_products() {
 #ifdef PAGEDSERVE_DPBF16
   return true;
 #else
@@ -891,9 +903,9 @@ bool bf16_dot_products() {  // bfloat16 q . k on AVX512_BF16 (score_row_dpbf16)
 #endif
 }
 
-bool amx_tiles() {  // bfloat16 prefill items on AMX (amx_attention.h), where Linux grants them
+bool amx_tiles() {  // bfloat16 prefill items on AMX (tile_attention.h), where Linux grants them
 #ifdef PAGEDSERVE_AMX
-  return amx::tiles_permitted();
+  return tiles::tiles_permitted();
 #else
   return false;
 #endif

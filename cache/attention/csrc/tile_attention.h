@@ -1,33 +1,38 @@
-// Prefill attention over a bfloat16 cache on AMX tiles (Intel Sapphire Rapids and later): part of
-// paged_attention.cpp, included inside its namespace after the vector helpers it uses
-// (exp_nonpositive, vfloat), and only where the build targets AMX_BF16 (-march=native on such a
-// CPU).
+// Prefill attention over a bfloat16 cache as tile products: part of paged_attention.cpp, included
+// inside its namespace after the vector helpers it uses (exp_nonpositive, vfloat), where the build
+// targets AVX512_BF16 (-march=native on Zen 4, Cooper Lake, Sapphire Rapids and later).
 //
-// The vector path scores a row against a key with one dot product at a time and accumulates
-// values with one FMA per value vector; a 1,024-token chunk ran at 30-45 GFLOP/s here, against
-// 180 for SDPA's bfloat16 kernel on contiguous K/V. An AMX instruction multiplies a 16 x 32
-// bfloat16 tile by a 32 x 16 one into 16 x 16 float32 sums, so both products of attention run
-// as tiles:
+// The vector path scores a row against a key with one dot product at a time (and a horizontal sum
+// per key) and accumulates values with one FMA per value vector. Here both products of attention
+// run per span of 32 keys on operands packed once per span and shared by every row of the item:
 //
-//   S (16 rows x 32 keys) = Q (16 rows x head_dim) . K^T     per 32 keys, 2 x head_dim/32 tiles
-//   O (16 rows x head_dim) += P (16 rows x 32 keys) . V      per 32 keys, head_dim/16 tiles
+//   S (rows x 32 keys) = Q (rows x head_dim) . K^T
+//   O (rows x head_dim) += P (rows x 32 keys) . V
 //
-// A tile's right operand holds pairs of values along the summed dimension ("VNNI" layout): for
-// K^T, row r is the dims (2r, 2r+1) of each of 16 keys, a 16 x 16 transpose of 32-bit pairs of the
-// cached rows; for V, row r is keys (2r, 2r+1) interleaved for each of 16 dims. Both are packed
-// once per 32 keys from the cache (through the block table: block_size is a multiple of 16, so 16
-// consecutive keys are 16 equally spaced slots of one block) and serve every row of the item.
+// The right operands hold pairs of values along the summed dimension ("VNNI" layout): for K^T, row
+// r is the dims (2r, 2r+1) of each of 16 keys, a 16 x 16 transpose of 32-bit pairs of the cached
+// rows; for V, row r is keys (2r, 2r+1) interleaved for each of 16 dims. Both are packed once per
+// 32 keys from the cache (through the block table: block_size is a multiple of 16, so 16
+// consecutive keys are 16 equally spaced slots of one block). Two engines multiply them:
+//   - AMX (Sapphire Rapids and later, where Linux grants the tile state): one instruction
+//     multiplies a 16 x 32 bfloat16 tile by a 32 x 16 one into 16 x 16 float32 sums. A 1,024-token
+//     chunk went from 30-45 GFLOP/s on the vector path to 120 (benchmarks/RESULTS.md, "Eleventh
+//     session").
+//   - AVX512_BF16 (vdpbf16ps): one instruction multiplies a 32-bit pair of a row (Q's dims, or P's
+//     keys), broadcast, into 16 keys' (or 16 dims') pairs: 16 rows' worth of register blocking
+//     replaces the vector path's per-key horizontal sums.
 // Between the two products each row's online softmax (running maximum, rescaled sums) runs on its
 // 32 scores as two AVX-512 vectors, and its probabilities are rounded to bfloat16 for the second
 // product (as SDPA's bfloat16 kernel does); sums, maxima and accumulators stay float32.
 //
 // Keys outside [first_key, num_keys) never reach a sum: their scores are masked to -inf (so their
 // probability is 0) and their packed values are zeros, since 0 * a stale slot's NaN would be NaN.
-// Needs <sys/syscall.h> and <unistd.h>, included at the top of paged_attention.cpp.
+// The AMX part needs <sys/syscall.h> and <unistd.h>, included at the top of paged_attention.cpp.
 #pragma once
 
-namespace amx {
+namespace tiles {
 
+#ifdef PAGEDSERVE_AMX
 // Linux hands out AMX's 8 KiB of tile state only to a process that asks (arch_prctl, Linux 5.16+);
 // where it refuses, the vector path runs instead.
 inline bool tiles_permitted() {
@@ -57,6 +62,8 @@ struct alignas(64) TileConfig {
 #define AMX_OUTPUT 4   // 16 dims of O
 #define AMX_PROBS 5    // P
 #define AMX_VALUES 6   // the same 16 dims of V
+
+#endif  // PAGEDSERVE_AMX
 
 // In-register transpose of 16 rows of 16 32-bit lanes (the standard unpack/shuffle network).
 inline void transpose_16x16(__m512i r[16]) {
@@ -203,7 +210,115 @@ inline void softmax_row(const HeadTask& task, int m, int key_base, const float* 
   _mm512_storeu_si512(probs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // keys 0-15, then 16-31
 }
 
-template <int HEAD_DIM>
+// The two products of one span for a group of 16 rows: scores (16 x 32 float32) = Q . K^T, with
+// group_query 16 rows of head_dim bfloat16; then group_acc (16 rows of head_dim float32) += P . V.
+// Padding rows past an item's last are zeros in Q and P.
+#ifdef PAGEDSERVE_AMX
+class AmxProducts {
+ public:
+  AmxProducts() {
+    const TileConfig config;
+    _tile_loadconfig(&config);
+  }
+  ~AmxProducts() { _tile_release(); }
+  AmxProducts(const AmxProducts&) = delete;
+  AmxProducts& operator=(const AmxProducts&) = delete;
+
+  template <int HEAD_DIM>
+  void scores(const uint16_t* group_query, const uint32_t (*keys_t)[HEAD_DIM / 32][16][16],
+              float (*scores)[32]) const {
+    _tile_zero(AMX_SCORES0);
+    _tile_zero(AMX_SCORES1);
+    for (int c = 0; c < HEAD_DIM / 32; ++c) {
+      _tile_loadd(AMX_QUERY, group_query + c * 32, HEAD_DIM * sizeof(uint16_t));
+      _tile_loadd(AMX_KEYS, keys_t[0][c], 64);
+      _tile_dpbf16ps(AMX_SCORES0, AMX_QUERY, AMX_KEYS);
+      _tile_loadd(AMX_KEYS, keys_t[1][c], 64);
+      _tile_dpbf16ps(AMX_SCORES1, AMX_QUERY, AMX_KEYS);
+    }
+    _tile_stored(AMX_SCORES0, &scores[0][0], 32 * sizeof(float));
+    _tile_stored(AMX_SCORES1, &scores[0][16], 32 * sizeof(float));
+  }
+
+  template <int HEAD_DIM>
+  void values(const uint16_t (*probs)[32], const uint16_t (*values_vnni)[16][32],
+              float* group_acc) const {
+    _tile_loadd(AMX_PROBS, probs, 32 * sizeof(uint16_t));
+    for (int g = 0; g < HEAD_DIM / 16; ++g) {
+      _tile_loadd(AMX_OUTPUT, group_acc + g * 16, HEAD_DIM * sizeof(float));
+      _tile_loadd(AMX_VALUES, values_vnni[g], 64);
+      _tile_dpbf16ps(AMX_OUTPUT, AMX_PROBS, AMX_VALUES);
+      _tile_stored(AMX_OUTPUT, group_acc + g * 16, HEAD_DIM * sizeof(float));
+    }
+  }
+};
+#endif  // PAGEDSERVE_AMX
+
+// The same products by vdpbf16ps, each row's 32-bit pair (two dims of Q, two keys of P) broadcast
+// against 16 keys' or 16 dims' pairs; sums in 16 zmm registers per block of rows.
+class VectorProducts {
+ public:
+  template <int HEAD_DIM>
+  void scores(const uint16_t* group_query, const uint32_t (*keys_t)[HEAD_DIM / 32][16][16],
+              float (*scores)[32]) const {
+    constexpr int kRows = 8;  // x 2 halves of 16 keys
+    for (int r0 = 0; r0 < 16; r0 += kRows) {
+      __m512 sums[kRows][2];
+      for (auto& row : sums) row[0] = row[1] = _mm512_setzero_ps();
+      for (int c = 0; c < HEAD_DIM / 32; ++c) {
+        for (int pair = 0; pair < 16; ++pair) {
+          const __m512bh keys0 = (__m512bh)_mm512_load_si512(keys_t[0][c][pair]);
+          const __m512bh keys1 = (__m512bh)_mm512_load_si512(keys_t[1][c][pair]);
+          const uint16_t* query_pairs = group_query + c * 32 + 2 * pair;
+          for (int r = 0; r < kRows; ++r) {
+            const __m512bh q = broadcast_pair(query_pairs + (r0 + r) * HEAD_DIM);
+            sums[r][0] = _mm512_dpbf16_ps(sums[r][0], q, keys0);
+            sums[r][1] = _mm512_dpbf16_ps(sums[r][1], q, keys1);
+          }
+        }
+      }
+      for (int r = 0; r < kRows; ++r) {
+        _mm512_store_ps(scores[r0 + r], sums[r][0]);
+        _mm512_store_ps(scores[r0 + r] + 16, sums[r][1]);
+      }
+    }
+  }
+
+  template <int HEAD_DIM>
+  void values(const uint16_t (*probs)[32], const uint16_t (*values_vnni)[16][32],
+              float* group_acc) const {
+    constexpr int kGroups = HEAD_DIM / 16;  // of 16 dims
+    constexpr int kRows = 16 / kGroups;     // 4 rows at head_dim 64, 2 at 128
+    for (int r0 = 0; r0 < 16; r0 += kRows) {
+      __m512 out[kRows][kGroups];
+      for (int r = 0; r < kRows; ++r)
+        for (int g = 0; g < kGroups; ++g)
+          out[r][g] = _mm512_loadu_ps(group_acc + (r0 + r) * HEAD_DIM + g * 16);
+      for (int pair = 0; pair < 16; ++pair) {
+        __m512bh values[kGroups];
+        for (int g = 0; g < kGroups; ++g)
+          values[g] = (__m512bh)_mm512_load_si512(values_vnni[g][pair]);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512bh p = broadcast_pair(probs[r0 + r] + 2 * pair);
+          for (int g = 0; g < kGroups; ++g) out[r][g] = _mm512_dpbf16_ps(out[r][g], p, values[g]);
+        }
+      }
+      for (int r = 0; r < kRows; ++r)
+        for (int g = 0; g < kGroups; ++g)
+          _mm512_storeu_ps(group_acc + (r0 + r) * HEAD_DIM + g * 16, out[r][g]);
+    }
+  }
+
+ private:
+  static __m512bh broadcast_pair(const uint16_t* pair) {
+    uint32_t bits;
+    std::memcpy(&bits, pair, sizeof(bits));
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
+  }
+};
+
+// One kv head of a work item, on whichever Products the build and the OS allow.
+template <int HEAD_DIM, typename Products>
 void attend_head(const HeadTask& task) {
   const int num_groups = (task.num_rows + 15) / 16;  // of 16 rows, the last zero-padded
   const int padded_rows = num_groups * 16;
@@ -222,24 +337,12 @@ void attend_head(const HeadTask& task) {
   alignas(64) uint16_t values_vnni[HEAD_DIM / 16][16][32];
   alignas(64) float scores[16][32];
   alignas(64) uint16_t probs[16][32];
-  const TileConfig config;
-  _tile_loadconfig(&config);
+  const Products products;
   for (int key_base = task.first_key / 16 * 16; key_base < task.num_keys; key_base += 32) {
     pack_span<HEAD_DIM>(task, key_base, keys_t, values_vnni);
     for (int group = 0; group < num_groups; ++group) {
-      const uint16_t* group_query = query.data() + group * 16 * HEAD_DIM;
       float* group_acc = acc.data() + group * 16 * HEAD_DIM;
-      _tile_zero(AMX_SCORES0);
-      _tile_zero(AMX_SCORES1);
-      for (int c = 0; c < HEAD_DIM / 32; ++c) {
-        _tile_loadd(AMX_QUERY, group_query + c * 32, HEAD_DIM * sizeof(uint16_t));
-        _tile_loadd(AMX_KEYS, keys_t[0][c], 64);
-        _tile_dpbf16ps(AMX_SCORES0, AMX_QUERY, AMX_KEYS);
-        _tile_loadd(AMX_KEYS, keys_t[1][c], 64);
-        _tile_dpbf16ps(AMX_SCORES1, AMX_QUERY, AMX_KEYS);
-      }
-      _tile_stored(AMX_SCORES0, &scores[0][0], sizeof(scores[0]));
-      _tile_stored(AMX_SCORES1, &scores[0][16], sizeof(scores[0]));
+      products.template scores<HEAD_DIM>(query.data() + group * 16 * HEAD_DIM, keys_t, scores);
       for (int r = 0; r < 16; ++r) {
         const int m = group * 16 + r;
         if (m >= task.num_rows) {
@@ -249,16 +352,9 @@ void attend_head(const HeadTask& task) {
         softmax_row<HEAD_DIM>(task, m, key_base, scores[r], probs[r], group_acc + r * HEAD_DIM,
                               row_max[m], row_sum[m]);
       }
-      _tile_loadd(AMX_PROBS, probs, sizeof(probs[0]));
-      for (int g = 0; g < HEAD_DIM / 16; ++g) {
-        _tile_loadd(AMX_OUTPUT, group_acc + g * 16, HEAD_DIM * sizeof(float));
-        _tile_loadd(AMX_VALUES, values_vnni[g], 64);
-        _tile_dpbf16ps(AMX_OUTPUT, AMX_PROBS, AMX_VALUES);
-        _tile_stored(AMX_OUTPUT, group_acc + g * 16, HEAD_DIM * sizeof(float));
-      }
+      products.template values<HEAD_DIM>(probs, values_vnni, group_acc);
     }
   }
-  _tile_release();
   for (int m = 0; m < task.num_rows; ++m) {
     const float inverse_sum = 1.0f / row_sum[m];  // > 0: every row sees at least its own key
     const float* row = acc.data() + static_cast<size_t>(m) * HEAD_DIM;
@@ -267,6 +363,7 @@ void attend_head(const HeadTask& task) {
   }
 }
 
+#ifdef PAGEDSERVE_AMX
 #undef AMX_SCORES0
 #undef AMX_SCORES1
 #undef AMX_QUERY
@@ -274,5 +371,6 @@ void attend_head(const HeadTask& task) {
 #undef AMX_OUTPUT
 #undef AMX_PROBS
 #undef AMX_VALUES
+#endif  // PAGEDSERVE_AMX
 
-}  // namespace amx
+}  // namespace tiles
