@@ -1,4 +1,4 @@
-"""The scheduler's pressure test through the real engine on the default model: 32 concurrent
+"""The scheduler's pressure test through the real engine on the default model: 16 concurrent
 requests on a pool of 24 blocks of 4 tokens give exactly the outputs of an unconstrained run."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from tests.engine.conftest import add_requests, greedy_params, make_engine, run_to_completion
 
-NUM_REQUESTS = 32
+NUM_REQUESTS = 16
 POOL_BLOCKS, BLOCK_SIZE = 24, 4  # 96 slots: one or two requests fit at a time
 
 
