@@ -3,10 +3,8 @@ cache/attention/csrc/skinny_linear.cpp, everything else through `F.linear` or on
 
 Which layers, by host:
 - MKL's float32 (`--cpu-float32-linear mkl`): the LM head only, at 2-12 rows.
-- oneDNN's packed float32 (x86 CPUs) on an AVX2-only CPU or an Intel one: every linear, at 1-16
-  rows; the rest of each layer's batches through its packed copy.
-- oneDNN's packed float32 on other AVX-512 CPUs (AMD Zen 4 / Zen 5): the LM head only, at 1-8
-  rows.
+- oneDNN's packed float32 (x86 CPUs with AVX2): every linear, at 1-16 rows; the rest of each
+  layer's batches through its packed copy.
 
 At decode time a linear multiplies a handful of rows (one per sequence) by its weight, so it
 should cost what reading that weight costs. Cold weights (30 copies of each layer, 2 of the head),
@@ -22,8 +20,13 @@ float32 linear against the kernel on the default model's shapes):
   decode step's linears: 46 -> 31 ms.
 - Every layer on a 2-core Intel Sapphire Rapids (AVX-512), the 30 layers' q/k/v/o, gate/up and
   down (`/tmp` micro-benchmark, interleaved): 27.7 / 29.6 / 47.2 ms at 1 / 8 / 16 rows, against
-  MKL's 28.6 / 50.7 / 71.4 and oneDNN's 40.0 / 42.1 / 56.3. Not measured on the other layers of an
-  AMD AVX-512 CPU, so not used there.
+  MKL's 28.6 / 50.7 / 71.4 and oneDNN's 40.0 / 42.1 / 56.3.
+- Every layer on a 2-core AMD Zen 4 (AVX-512 with AVX512_BF16): 1.3-2.5x oneDNN at 1-8 rows
+  (q/o 93 -> 56 us, gate/up 255 -> 118 us, down 216 -> 106 us at one row), 0.95-1.9x at 12-16, the
+  head 1.1-1.4x at 1-8 and 0.85x at 12-16. Decode steps of the default model (256-token prompts,
+  two alternating rounds of `benchmarks/step.py`): 44-48 -> 31-33 ms at batch 1, 49-54 -> 31-35 at
+  4, 51-70 -> 44 at 8, 80-82 -> 73-75 at 16. The head-only rule this replaced (AMD's AVX-512 CPUs
+  had not been measured) kept float32 serving 1.67x slower per output token than vLLM's there.
 
 The kernel sums in another order than MKL or oneDNN (float32 rounding apart), and each row's result
 does not depend on the other rows. Upstream of the head such a difference reaches the K/V cache,
@@ -42,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedserve.cache.attention.cpu_features import host_cpu_flags, host_cpu_vendor
+from pagedserve.cache.attention.cpu_features import host_cpu_flags
 from pagedserve.engine.module_swap import (
     cpu_kernel_or_none,
     swap_verified,
@@ -54,12 +57,12 @@ from pagedserve.engine.widened_linear import WidenedLinear, computes_linears_in_
 # The head's rows where the kernel is at least even with MKL (2 rows: 0.98x; 4-12: 1.5-2.1x). At
 # one row MKL's GEMV is at the memory bound already, and at 16 its GEMM is as fast again (0.94x).
 MIN_ROWS, MAX_ROWS = 2, 12
-# Where the float32 linears run on oneDNN (x86 CPUs) but only the head goes through the kernel
-# (AMD's AVX-512 CPUs), the rows where the kernel beats oneDNN's packed head: 1.5x / 1.2x / 1.2x
+# Where the float32 linears run on oneDNN but only the head goes through the kernel (a caller's
+# `every_layer=False`), the rows where the kernel beats oneDNN's packed head: 1.5x / 1.2x / 1.2x
 # at 1 / 4 / 8 rows, even at 12 (the weight evicted before each call, two threads, Zen 4).
 PACKED_ROWS = (1, 8)
-# On an AVX2-only CPU with packed linears, every layer's rows where the kernel beats oneDNN: all
-# of them up to the kernel's limit (1.1-1.8x at 12-16 rows, Zen 3).
+# With packed linears, every layer's rows where the kernel beats oneDNN: all of them up to the
+# kernel's limit on Zen 3 (1.1-1.8x at 12-16 rows), about even at 12-16 on Zen 4.
 EVERY_LAYER_ROWS = (1, 16)
 
 
@@ -116,7 +119,7 @@ def use_skinny_linears(
     `packed`: the model's linears are about to be packed for oneDNN (`pack_linears`, which leaves
     swapped modules alone); each swapped layer then sends its decode-sized batches to the kernel
     and the rest to its own packed copy. `every_layer` applies only with `packed`; it defaults to
-    the host having AVX2 but not AVX-512 (module docstring). `kernel` defaults to the host's CPU
+    the host having AVX2 (module docstring). `kernel` defaults to the host's CPU
     extension build; if it cannot be built the model keeps its linears, with a warning. A layer
     whose kernel output is not within float32 rounding of `F.linear` on a probe input is left as
     it is (and logged).
@@ -152,12 +155,11 @@ def _float32_linears(model: nn.Module, every_layer: bool) -> set[int]:
     return {id(m) for m in candidates if type(m) is nn.Linear and m.weight.dtype == torch.float32}
 
 
-def skinny_every_layer_on(flags: frozenset[str], vendor: str | None = None) -> bool:
-    """Whether a CPU with these flags (and vendor id, default the host's) runs every packed
-    float32 linear's decode-sized batches through the kernel: measured faster than oneDNN on an
-    AVX2-only AMD EPYC (Zen 3) and on an Intel Sapphire Rapids, not on AMD's AVX-512 CPUs."""
-    vendor = host_cpu_vendor() if vendor is None else vendor
-    return "avx2" in flags and ("avx512f" not in flags or vendor == "GenuineIntel")
+def skinny_every_layer_on(flags: frozenset[str]) -> bool:
+    """Whether a CPU with these flags runs every packed float32 linear's decode-sized batches
+    through the kernel: x86 with AVX2 (measured faster than oneDNN on AMD Zen 3 and Zen 4 and on
+    Intel Sapphire Rapids)."""
+    return "avx2" in flags
 
 
 def _close_to_linear(linear: nn.Linear, skinny: SkinnyLinear) -> bool:
