@@ -135,9 +135,8 @@ def test_the_loader_fuses_bfloat16_as_close_to_float32_as_the_module(
     assert sum(isinstance(m, FusedMLP) for m in fused.modules()) == 30
     assert type(reference.model.layers[0].mlp) is LlamaMLP
     monkeypatch.setattr(model_loader, "can_fuse_mlps", lambda model: False)
-    plain = load_default_on_cpu(
-        "bfloat16"
-    )  # the same bfloat16 model (packed, fused norms), HF's MLP
+    # The same bfloat16 model (packed, fused norms) with HF's MLP.
+    plain = load_default_on_cpu("bfloat16")
     assert type(plain.model.layers[0].mlp) is LlamaMLP
     errors = mean_logit_errors({"fused": fused, "module": plain}, reference, default_tokenizer)
     assert errors["fused"] <= 1.15 * errors["module"], errors
