@@ -24,9 +24,10 @@
 // 1.6-2x slower (benchmarks/RESULTS.md).
 //
 // float32 rows of whole vectors are read in place. bfloat16 values are widened in registers as
-// the value pass loads them; bfloat16 keys are read unwidened by AVX512_BF16 dot products where
-// the build has them and the query is bfloat16 (score_row_dpbf16), else widened into a small
-// float32 buffer, as are float16 and fp8 rows (zero-padded to whole vectors). On a 2-core AMD EPYC
+// the value pass loads them, even and odd dims apart (load_widened_pairs); bfloat16 keys are read
+// unwidened by AVX512_BF16 dot products where the build has them and the query is bfloat16
+// (score_row_dpbf16), else widened into a small float32 buffer, as are float16 and fp8 rows
+// (zero-padded to whole vectors). On a 2-core AMD EPYC
 // (Zen 4) these changes, the value pass over several rows and L2 prefetching took a 64 x 1,024
 // decode step from 2.1x to 1.4-1.7x the time of a plain read of its K/V in float32, and from 4.5x
 // to 1.3x in bfloat16 (benchmarks/RESULTS.md, "Sixth session"). Where the build has AVX512_BF16,
@@ -49,6 +50,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -73,7 +75,6 @@ typedef float vhalf __attribute__((vector_size(kLanes / 2 * sizeof(float))));
 typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef uint16_t vbf16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 // Vector registers of the ISA (AVX-512: 32, AVX2: 16): how many rows' accumulators fit at once.
 #if PAGEDSERVE_LANES == 16
 constexpr int kRegisters = 32;
@@ -243,6 +244,31 @@ struct Problem {
   const float* sinks;
 };
 
+// A task: one work item with kv heads [head_begin, head_end) (run()).
+struct Task {
+  const WorkItem* item;
+  int head_begin, head_end;
+};
+
+// The keys an item's rows see, [first_key, num_keys): its last row sits at position
+// first_position + query_end - 1 and sees up to it; with a window, its first row sees nothing
+// before first_key (whose blocks may be released).
+template <typename cache_t>
+inline void key_range(const Problem<cache_t>& p, const WorkItem& item, int& first_key,
+                      int& num_keys) {
+  const int query_len = p.query_start_loc[item.request + 1] - p.query_start_loc[item.request];
+  const int first_position = p.seq_lens[item.request] - query_len;  // of the chunk's row 0
+  num_keys = first_position + item.query_end;
+  first_key = p.sliding_window > 0
+                  ? std::max(0, first_position + item.query_begin - p.sliding_window + 1)
+                  : 0;
+}
+
+// The cache rows (element offsets, at the task's first kv head) of the first key tile of a task;
+// returns how many keys it has. The same rows attend_item resolves for it.
+template <typename cache_t>
+int resolve_first_tile(const Problem<cache_t>& p, const Task& task, int64_t* rows);
+
 // scores[t] = q . k[t] for keys [0, num_keys). A row's query chunks stay in registers.
 // __builtin_shufflevector (clang, GCC >= 12) or its GCC spelling, for older compilers.
 template <int... Lanes>
@@ -290,16 +316,17 @@ inline vfloat transposed_sum(const vfloat* v) {
 #endif
 }
 
+// `offset`: where this kv head starts in each key row (rows may span several heads).
 template <int CHUNKS>
-inline void score_row(const float* q, const float* const* keys, int chunks, int num_keys,
-                      float* scores) {
+inline void score_row(const float* q, const float* const* keys, int64_t offset, int chunks,
+                      int num_keys, float* scores) {
   vfloat query[CHUNKS > 0 ? CHUNKS : kMaxChunks];
   for (int c = 0; c < chunks; ++c) query[c] = load(q + c * kLanes);
   int t = 0;
   for (; t + kLanes <= num_keys; t += kLanes) {
     vfloat sums[kLanes];
     for (int k = 0; k < kLanes; ++k) {
-      const float* key = keys[t + k];
+      const float* key = keys[t + k] + offset;
       vfloat sum = query[0] * load(key);
       for (int c = 1; c < chunks; ++c) sum += query[c] * load(key + c * kLanes);
       sums[k] = sum;
@@ -307,7 +334,7 @@ inline void score_row(const float* q, const float* const* keys, int chunks, int 
     store(scores + t, transposed_sum(sums));
   }
   for (; t < num_keys; ++t) {
-    const float* key = keys[t];
+    const float* key = keys[t] + offset;
     vfloat sum = query[0] * load(key);
     for (int c = 1; c < chunks; ++c) sum += query[c] * load(key + c * kLanes);
     scores[t] = horizontal_sum(sum);
@@ -316,41 +343,59 @@ inline void score_row(const float* q, const float* const* keys, int chunks, int 
 
 // acc += sum_t probs[t] * v[t]. The accumulator stays in registers across the tile.
 template <int CHUNKS>
-inline void accumulate_values(const float* probs, const float* const* values, int chunks,
-                              int num_keys, float* acc) {
+inline void accumulate_values(const float* probs, const float* const* values, int64_t offset,
+                              int chunks, int num_keys, float* acc) {
   vfloat sum[CHUNKS > 0 ? CHUNKS : kMaxChunks];
   for (int c = 0; c < chunks; ++c) sum[c] = load(acc + c * kLanes);
   for (int t = 0; t < num_keys; ++t) {
     const float p = probs[t];
-    const float* value = values[t];
+    const float* value = values[t] + offset;
     for (int c = 0; c < chunks; ++c) sum[c] += p * load(value + c * kLanes);
   }
   for (int c = 0; c < chunks; ++c) store(acc + c * kLanes, sum[c]);
 }
 
-// kLanes bfloat16 values widened to float in registers: zero-extend each to 32 bits, shift up.
-inline vfloat load_widened(const uint16_t* p) {
-  vbf16 half;
-  std::memcpy(&half, p, sizeof(half));
-  return bits_to_vfloat(__builtin_convertvector(half, vint) << 16);
+// 2 * kLanes bfloat16 values widened to float in registers as two vectors: the even-indexed
+// elements and the odd ones. A bfloat16 is the top half of a float32, and a 32-bit lane holds
+// elements 2i (low half) and 2i + 1 (high half): one shift and one mask, where widening elements
+// in order (zero-extend 16 to 32 bits, then shift) took six instructions per 16 values on AVX-512
+// (GCC splits the zero-extension into 128-bit halves). The value pass accumulates bfloat16 rows
+// in this even/odd order ("pair order", pair_order_index) and puts dims back in place at the end.
+inline void load_widened_pairs(const uint16_t* p, vfloat& even, vfloat& odd) {
+  vuint pairs;
+  std::memcpy(&pairs, p, sizeof(pairs));
+  even = bits_to_vfloat(reinterpret_cast<vint>(pairs << 16));
+  odd = bits_to_vfloat(reinterpret_cast<vint>(pairs & 0xffff0000u));
 }
 
-inline vfloat load_value(const float* p) { return load(p); }
-inline vfloat load_value(const uint16_t* p) { return load_widened(p); }
+// Where dim d of a bfloat16 value row sits in an accumulator row in pair order: each 2 * kLanes
+// dims are one vector of their even dims followed by one of their odd dims.
+inline int pair_order_index(int d) {
+  const int base = d / (2 * kLanes) * (2 * kLanes), within = d % (2 * kLanes);
+  return base + (within % 2) * kLanes + within / 2;
+}
 
 // acc[r] += sum_t probs[r][t] * v[t] for ROWS rows at once: each value row is loaded (and, for
 // bfloat16, widened) once for all of them instead of once per row. probs rows are kKeyTile apart.
-// Only the CHUNKS vectors from `column` (a float offset into each value row and accumulator).
+// Only the CHUNKS vectors from `column` (an element offset into each accumulator, and into each
+// value row past `offset`, where this kv head starts in the row).
 template <int CHUNKS, int ROWS, typename value_t>
-inline void accumulate_rows(const float* probs, const value_t* const* values, int column,
-                            int num_keys, float* acc, int stride) {
+inline void accumulate_rows(const float* probs, const value_t* const* values, int64_t offset,
+                            int column, int num_keys, float* acc, int stride) {
   acc += column;
   vfloat sum[ROWS][CHUNKS];
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < CHUNKS; ++c) sum[r][c] = load(acc + r * stride + c * kLanes);
   for (int t = 0; t < num_keys; ++t) {
     vfloat value[CHUNKS];
-    for (int c = 0; c < CHUNKS; ++c) value[c] = load_value(values[t] + column + c * kLanes);
+    if constexpr (std::is_same_v<value_t, uint16_t>) {  // in pair order
+      static_assert(CHUNKS % 2 == 0, "bfloat16 rows are widened two vectors at a time");
+      for (int c = 0; c < CHUNKS; c += 2) {
+        load_widened_pairs(values[t] + offset + column + c * kLanes, value[c], value[c + 1]);
+      }
+    } else {
+      for (int c = 0; c < CHUNKS; ++c) value[c] = load(values[t] + offset + column + c * kLanes);
+    }
     for (int r = 0; r < ROWS; ++r) {
       const float p = probs[r * kKeyTile + t];
       for (int c = 0; c < CHUNKS; ++c) sum[r][c] += p * value[c];
@@ -376,22 +421,23 @@ template <int CHUNKS, typename value_t>
 constexpr int slice_chunks() {
   int chunks = CHUNKS;
   if constexpr (std::is_same_v<value_t, uint16_t>) {
-    while (chunks % 2 == 0 && rows_per_pass(chunks) < 4) chunks /= 2;
+    while (chunks % 4 == 0 && rows_per_pass(chunks) < 4) chunks /= 2;  // stays even: pairs
   }
   return chunks;
 }
 
 // The value pass of one tile for every row of a work item, rows_per_pass rows at a time, one
 // slice of columns after the other.
+// `offset`: where this kv head starts in each value row.
 template <int CHUNKS, typename value_t>
-inline void accumulate_tile(const float* probs, const value_t* const* values, int num_keys,
-                            float* acc, int stride, int num_rows) {
+inline void accumulate_tile(const float* probs, const value_t* const* values, int64_t offset,
+                            int num_keys, float* acc, int stride, int num_rows) {
   constexpr int kSlice = slice_chunks<CHUNKS, value_t>();
   constexpr int kRows = rows_per_pass(kSlice);
   for (int column = 0; column < CHUNKS * kLanes; column += kSlice * kLanes) {
     int m = 0;
     for (; m + kRows <= num_rows; m += kRows) {
-      accumulate_rows<kSlice, kRows>(probs + m * kKeyTile, values, column, num_keys,
+      accumulate_rows<kSlice, kRows>(probs + m * kKeyTile, values, offset, column, num_keys,
                                      acc + m * stride, stride);
     }
     // The remaining rows (fewer than kRows) in one pass too: a decode item has group_size rows.
@@ -400,14 +446,16 @@ inline void accumulate_tile(const float* probs, const value_t* const* values, in
     switch (num_rows - m) {
       case 3:
         if constexpr (kRows > 3)
-          accumulate_rows<kSlice, 3>(rest_probs, values, column, num_keys, rest_acc, stride);
+          accumulate_rows<kSlice, 3>(rest_probs, values, offset, column, num_keys, rest_acc,
+                                     stride);
         break;
       case 2:
         if constexpr (kRows > 2)
-          accumulate_rows<kSlice, 2>(rest_probs, values, column, num_keys, rest_acc, stride);
+          accumulate_rows<kSlice, 2>(rest_probs, values, offset, column, num_keys, rest_acc,
+                                     stride);
         break;
       case 1:
-        accumulate_rows<kSlice, 1>(rest_probs, values, column, num_keys, rest_acc, stride);
+        accumulate_rows<kSlice, 1>(rest_probs, values, offset, column, num_keys, rest_acc, stride);
         break;
     }
   }
@@ -419,12 +467,13 @@ inline void accumulate_tile(const float* probs, const value_t* const* values, in
 // each product of two bfloat16 values is exact in float32, pairs summed in float32), read straight
 // from the cache: no widening of K. 32 values per instruction; CHUNKS (of 16 floats) is even.
 template <int CHUNKS>
-inline void score_row_dpbf16(const uint16_t* q, const uint16_t* const* keys, int num_keys,
-                             float scale, float* scores) {
+inline void score_row_dpbf16(const uint16_t* q, const uint16_t* const* keys, int64_t offset,
+                             int num_keys, float scale, float* scores) {
   constexpr int kPairs = CHUNKS / 2;
   __m512bh query[kPairs];
   for (int c = 0; c < kPairs; ++c) query[c] = (__m512bh)_mm512_loadu_si512(q + c * 2 * kLanes);
   auto dot = [&](const uint16_t* key) {
+    key += offset;
     __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[0],
                                   (__m512bh)_mm512_loadu_si512(key));
     for (int c = 1; c < kPairs; ++c)
@@ -534,13 +583,21 @@ void attend_item_tiles(const Problem<at::BFloat16>& p, const WorkItem& item, int
 
 // CHUNKS > 0 fixes head_dim / kLanes at compile time (64 and 128 are the common sizes); 0 reads
 // it from the problem, including head sizes that end in a partial vector (zero padding).
+//
+// `next`: the task this thread runs after this one (nullptr: none), whose first key tile this
+// one's last tile prefetches, so that a thread's stream of K/V requests does not stop between
+// tasks; returns whether it did. `first_tile_prefetched`: the previous task did so for this one.
 template <typename cache_t, int CHUNKS>
-void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin, int head_end) {
+bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
+                 bool first_tile_prefetched) {
+  const WorkItem& item = *task.item;
+  const int head_begin = task.head_begin, head_end = task.head_end;
 #ifdef PAGEDSERVE_DPBF16
   if constexpr (std::is_same_v<cache_t, at::BFloat16> && CHUNKS > 0 && CHUNKS * kLanes % 32 == 0) {
     if (p.bfloat16_io && p.block_size % 16 == 0 &&
         (item.query_end - item.query_begin) * (p.num_heads / p.num_kv_heads) >= kTileMinRows) {
-      return attend_item_tiles<CHUNKS * kLanes>(p, item, head_begin, head_end);
+      attend_item_tiles<CHUNKS * kLanes>(p, item, head_begin, head_end);
+      return false;
     }
   }
 #endif
@@ -566,8 +623,6 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin
   // Zero padding past head_dim keeps the padded lanes out of every dot product.
   std::vector<float> q(static_cast<size_t>(num_rows) * stride, 0.0f);  // pre-scaled
   std::vector<float> acc(static_cast<size_t>(num_rows) * stride, 0.0f);
-  std::vector<float> key_tile(static_cast<size_t>(kKeyTile) * stride, 0.0f);
-  std::vector<float> value_tile(static_cast<size_t>(kKeyTile) * stride, 0.0f);
   std::vector<float> row_max(num_rows, -std::numeric_limits<float>::infinity());
   std::vector<float> row_sum(num_rows, 0.0f);
   if (p.sinks != nullptr) {  // as if one key of logit sinks[head] and value 0 had been seen
@@ -595,6 +650,13 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin
   const bool dpbf16_scores = false;
 #endif
 
+  const bool keys_in_place = read_in_place || (bf16_values_in_place && dpbf16_scores);
+  const bool values_in_place = read_in_place || bf16_values_in_place;
+  // Widened rows, zero-padded to `stride` (only where rows are not read in place).
+  std::vector<float> key_tile(keys_in_place ? 0 : static_cast<size_t>(kKeyTile) * stride, 0.0f);
+  std::vector<float> value_tile(values_in_place ? 0 : static_cast<size_t>(kKeyTile) * stride,
+                                0.0f);
+
   // The query rows as dpbf16_scores reads them: bfloat16, unscaled, zero-padded to `stride`.
   std::vector<uint16_t> q_bf16(dpbf16_scores ? static_cast<size_t>(num_rows) * stride : 0, 0);
   for (int m = 0; m < num_rows; ++m) {
@@ -612,13 +674,8 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin
     }
   }
 
-  // The tile's last row sits at position first_position + query_end - 1 and sees up to it; with
-  // a window, its first row sees nothing before first_key (whose blocks may be released).
-  const int num_keys = first_position + item.query_end;
-  const int first_key =
-      p.sliding_window > 0
-          ? std::max(0, first_position + item.query_begin - p.sliding_window + 1)
-          : 0;
+  int first_key, num_keys;
+  key_range(p, item, first_key, num_keys);
   // Cache rows of one key tile: block = table[pos / block_size], offset = pos % block_size,
   // stepped rather than divided per key. Each tile's rows are resolved and prefetched while the
   // previous tile is computed: the block table scatters a request's history, so the hardware
@@ -653,39 +710,41 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin
     }
   };
   resolve_tile(first_key, tile_rows[0]);
-  prefetch_rows(tile_rows[0], 0, std::min(kKeyTile, num_keys - first_key));
+  if (!first_tile_prefetched) {
+    prefetch_rows(tile_rows[0], 0, std::min(kKeyTile, num_keys - first_key));
+  }
+  // Rows read in place are pointed at once per tile, at the task's first kv head; scoring and the
+  // value pass add each head's offset (the heads of a slot are adjacent). Rows widened into
+  // key_tile / value_tile (other cache dtypes) are widened per head and read at offset 0.
+  auto point_at_tile = [&](int tile, int tile_keys) {
+    for (int t = 0; t < tile_keys; ++t) {
+      const int64_t row = tile_rows[tile][t];
+      if constexpr (std::is_same_v<cache_t, float>) {
+        key_rows[t] = p.key_cache + row;
+        value_rows[t] = p.value_cache + row;
+      } else if constexpr (kBf16Cache) {
+        bf16_key_rows[t] = reinterpret_cast<const uint16_t*>(p.key_cache + row);
+        bf16_value_rows[t] = reinterpret_cast<const uint16_t*>(p.value_cache + row);
+      }
+    }
+  };
   // One key tile for one kv head of the task: score its rows, update their softmax, then one value
   // pass over the tile for all of them. `next_keys` of the next tile are prefetched meanwhile.
   auto attend_head = [&](int head, int tile, int key_begin, int tile_keys, int next_keys) {
     const int64_t head_offset = static_cast<int64_t>(head - head_begin) * head_dim;
     const int row0 = (head - head_begin) * head_rows;  // this kv head's first row
-    for (int t = 0; t < tile_keys; ++t) {
+    const int64_t key_offset = keys_in_place ? head_offset : 0;
+    const int64_t value_offset = values_in_place ? head_offset : 0;
+    for (int t = 0; t < tile_keys && !keys_in_place; ++t) {
       const int64_t row = tile_rows[tile][t] + head_offset;
-      if constexpr (std::is_same_v<cache_t, float>) {
-        if (read_in_place) {
-          key_rows[t] = p.key_cache + row;
-          value_rows[t] = p.value_cache + row;
-          continue;
-        }
-      }
-      if constexpr (kBf16Cache) {
-        if (bf16_values_in_place) {  // values widened by the value pass; keys as scoring reads them
-          bf16_key_rows[t] = reinterpret_cast<const uint16_t*>(p.key_cache + row);
-          bf16_value_rows[t] = reinterpret_cast<const uint16_t*>(p.value_cache + row);
-          if (!dpbf16_scores) {
-            float* key = key_tile.data() + t * stride;
-            widen_row(p.key_cache + row, key, head_dim);
-            key_rows[t] = key;
-          }
-          continue;
-        }
-      }
       float* key = key_tile.data() + t * stride;
-      float* value = value_tile.data() + t * stride;
       widen_row(p.key_cache + row, key, head_dim);
-      widen_row(p.value_cache + row, value, head_dim);
       key_rows[t] = key;
-      value_rows[t] = value;
+      if (!values_in_place) {
+        float* value = value_tile.data() + t * stride;
+        widen_row(p.value_cache + row, value, head_dim);
+        value_rows[t] = value;
+      }
     }
     for (int m = row0; m < row0 + head_rows; ++m) {
       prefetch_rows(tile_rows[tile ^ 1], m * next_keys / num_rows, (m + 1) * next_keys / num_rows);
@@ -703,12 +762,12 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin
 #ifdef PAGEDSERVE_DPBF16
       if (dpbf16_scores) {
         score_row_dpbf16<CHUNKS>(q_bf16.data() + static_cast<size_t>(m) * stride, bf16_key_rows,
-                                 visible, p.scale, scores);
+                                 key_offset, visible, p.scale, scores);
       } else
 #endif
       {
-        score_row<CHUNKS>(q.data() + static_cast<size_t>(m) * stride, key_rows, chunks, visible,
-                          scores);
+        score_row<CHUNKS>(q.data() + static_cast<size_t>(m) * stride, key_rows, key_offset, chunks,
+                          visible, scores);
       }
       if (p.softcap > 0.0f) {
         for (int t = 0; t < visible; ++t) scores[t] = p.softcap * std::tanh(scores[t] / p.softcap);
@@ -723,23 +782,33 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin
     float* head_acc = acc.data() + static_cast<size_t>(row0) * stride;
     if constexpr (CHUNKS > 0) {
       if (bf16_values_in_place) {
-        accumulate_tile<CHUNKS>(head_probs, bf16_value_rows, tile_keys, head_acc, stride,
-                                head_rows);
+        accumulate_tile<CHUNKS>(head_probs, bf16_value_rows, value_offset, tile_keys, head_acc,
+                                stride, head_rows);
       } else {
-        accumulate_tile<CHUNKS>(head_probs, value_rows, tile_keys, head_acc, stride, head_rows);
+        accumulate_tile<CHUNKS>(head_probs, value_rows, value_offset, tile_keys, head_acc, stride,
+                                head_rows);
       }
     } else {
       for (int m = 0; m < head_rows; ++m) {
         accumulate_values<CHUNKS>(head_probs + static_cast<size_t>(m) * kKeyTile, value_rows,
-                                  chunks, tile_keys, head_acc + static_cast<size_t>(m) * stride);
+                                  value_offset, chunks, tile_keys,
+                                  head_acc + static_cast<size_t>(m) * stride);
       }
     }
   };
+  bool handed_over = false;
   for (int key_begin = first_key, tile = 0; key_begin < num_keys;
        key_begin += kKeyTile, tile ^= 1) {
     const int tile_keys = std::min(kKeyTile, num_keys - key_begin);
-    const int next_keys = std::max(0, std::min(kKeyTile, num_keys - key_begin - kKeyTile));
-    if (next_keys > 0) resolve_tile(key_begin + kKeyTile, tile_rows[tile ^ 1]);
+    int next_keys = std::max(0, std::min(kKeyTile, num_keys - key_begin - kKeyTile));
+    if (next_keys > 0) {
+      resolve_tile(key_begin + kKeyTile, tile_rows[tile ^ 1]);
+    } else if (next != nullptr) {  // the last tile: the next task's first one is prefetched
+      next_keys = resolve_first_tile(p, *next, tile_rows[tile ^ 1]);
+      next = nullptr;
+      handed_over = true;
+    }
+    if (keys_in_place || values_in_place) point_at_tile(tile, tile_keys);
     for (int head = head_begin; head < head_end; ++head) {
       attend_head(head, tile, key_begin, tile_keys, next_keys);
     }
@@ -749,14 +818,32 @@ void attend_item(const Problem<cache_t>& p, const WorkItem& item, int head_begin
     const float inverse_sum = 1.0f / row_sum[m];  // > 0: every row sees at least its own key
     const float* row = acc.data() + static_cast<size_t>(m) * stride;
     const int64_t offset = (token_of(m) * p.num_heads + head_of(m)) * head_dim;
+    // bfloat16 value rows were accumulated in pair order (load_widened_pairs): dims back in place.
+    auto at = [&](int d) { return bf16_values_in_place ? row[pair_order_index(d)] : row[d]; };
     if (p.bfloat16_io) {
       uint16_t* out = static_cast<uint16_t*>(p.output) + offset;
-      for (int d = 0; d < head_dim; ++d) out[d] = pagedserve::float_to_bf16(row[d] * inverse_sum);
+      for (int d = 0; d < head_dim; ++d) out[d] = pagedserve::float_to_bf16(at(d) * inverse_sum);
     } else {
       float* out = static_cast<float*>(p.output) + offset;
-      for (int d = 0; d < head_dim; ++d) out[d] = row[d] * inverse_sum;
+      for (int d = 0; d < head_dim; ++d) out[d] = at(d) * inverse_sum;
     }
   }
+  return handed_over;
+}
+
+template <typename cache_t>
+int resolve_first_tile(const Problem<cache_t>& p, const Task& task, int64_t* rows) {
+  int first_key, num_keys;
+  key_range(p, *task.item, first_key, num_keys);
+  const int32_t* block_table = p.block_tables + task.item->request * p.max_num_blocks_per_req;
+  const int tile_keys = std::min(kKeyTile, num_keys - first_key);
+  for (int t = 0; t < tile_keys; ++t) {
+    const int position = first_key + t;
+    const int64_t slot = static_cast<int64_t>(block_table[position / p.block_size]) * p.block_size +
+                         position % p.block_size;
+    rows[t] = (slot * p.num_kv_heads + task.head_begin) * p.head_dim;
+  }
+  return tile_keys;
 }
 
 std::vector<WorkItem> make_work_items(const int32_t* query_start_loc, const int32_t* seq_lens,
@@ -792,11 +879,34 @@ void run(const Problem<cache_t>& problem, const std::vector<WorkItem>& items) {
       static_cast<int64_t>(items.size()) >= 2 * num_threads ? num_kv_heads : 1;
   const int64_t tasks_per_item = num_kv_heads / heads_per_task;
   const int64_t num_tasks = static_cast<int64_t>(items.size()) * tasks_per_item;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-  for (int64_t task = 0; task < num_tasks; ++task) {
-    const int head_begin = static_cast<int>(task % tasks_per_item) * heads_per_task;
-    attend_item<cache_t, CHUNKS>(problem, items[task / tasks_per_item], head_begin,
-                                 head_begin + heads_per_task);
+  auto task_at = [&](int64_t index) {
+    const int head_begin = static_cast<int>(index % tasks_per_item) * heads_per_task;
+    return Task{&items[index / tasks_per_item], head_begin, head_begin + heads_per_task};
+  };
+  // Tasks are handed out one at a time, longest first, from a shared counter (dynamic
+  // scheduling). With several tasks per thread, a thread claims its next task when it starts one,
+  // so that the one's last key tile can prefetch the next's first (attend_item); with fewer, that
+  // claim could leave a thread idle, and tasks are claimed as each one ends.
+  const bool claim_ahead = num_tasks >= 4 * static_cast<int64_t>(num_threads);
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(num_threads)
+  {
+    int64_t current = claimed.fetch_add(1, std::memory_order_relaxed);
+    bool prefetched = false;
+    while (current < num_tasks) {
+      const Task task = task_at(current);
+      if (!claim_ahead) {
+        attend_item<cache_t, CHUNKS>(problem, task, nullptr, false);
+        current = claimed.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      const int64_t following = claimed.fetch_add(1, std::memory_order_relaxed);
+      const Task next = following < num_tasks ? task_at(following) : Task{};
+      prefetched = attend_item<cache_t, CHUNKS>(problem, task,
+                                                following < num_tasks ? &next : nullptr,
+                                                prefetched);
+      current = following;
+    }
   }
 }
 
