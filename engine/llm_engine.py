@@ -22,6 +22,7 @@ from pagedserve.engine.inputs import RequestValidator, ValidatedRequest
 from pagedserve.engine.memory import kv_cache_num_blocks, make_cache_spec, resolve_device
 from pagedserve.engine.model_loader import LoadedModel, load_model
 from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.module_swap import cpu_kernel_or_none
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats, RequestDelta
 from pagedserve.engine.rejection_sampler import RejectionSampler
@@ -66,7 +67,9 @@ class LLMEngine:
         backend = get_attention_backend(config.cache.attention_backend, device)
         logger.info("attention backend: %s", backend.name)
         self.runner = ModelRunner(loaded.model, self.cache_engine, backend)
-        self.sampler = Sampler(config.model.seed, device)
+        # On the CPU, greedy rows take the extension's argmax (engine/sampler.py).
+        cpu_kernel = cpu_kernel_or_none("greedy sampling") if device.type == "cpu" else None
+        self.sampler = Sampler(config.model.seed, device, cpu_kernel)
         self.rejection_sampler = RejectionSampler(self.sampler, config.model.seed, device)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, device)
         self.structured = StructuredOutputManager(

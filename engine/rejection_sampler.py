@@ -69,7 +69,7 @@ class RejectionSampler:
     ) -> list[SampleResult]:
         if not row.needs_processing:  # plain argmax (bans only shrink as the output grows)
             run = []
-            for j, token_id in enumerate(greedy_token_ids(logits)):  # already Python ints
+            for j, token_id in enumerate(greedy_token_ids(logits, self.sampler.cpu_kernel)):
                 run.append(SampleResult(token_id, None))
                 if j == len(drafts) or token_id != drafts[j]:
                     break

@@ -34,7 +34,7 @@ from pagedserve.cache.attention.torch_ref import TorchPagedAttention, to_cache_d
 logger = logging.getLogger(__name__)
 
 # One extension: the attention kernel, the fused ops bfloat16 models use (norm, SiLU-and-mul), the
-# float32 decode-size linear and the K/V store.
+# float32 decode-size linear, the K/V store and greedy sampling's argmax.
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in (
@@ -45,6 +45,7 @@ _SOURCES = tuple(
         "silu_mul.cpp",
         "skinny_linear.cpp",
         "store_kv.cpp",
+        "greedy.cpp",
     )
 )
 _HEADERS = tuple(

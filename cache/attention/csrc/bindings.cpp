@@ -21,7 +21,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 int vector_lanes();
 bool bf16_dot_products();
 bool amx_tiles();
-// rms_norm.cpp, silu_mul.cpp, rope.cpp, skinny_linear.cpp and store_kv.cpp
+// rms_norm.cpp, silu_mul.cpp, rope.cpp, skinny_linear.cpp, store_kv.cpp and greedy.cpp
 at::Tensor rms_norm_bf16(const at::Tensor& input, const at::Tensor& weight, double eps);
 at::Tensor silu_mul_bf16(const at::Tensor& gate_up);
 void rope_bf16_(const at::Tensor& states, const at::Tensor& cos, const at::Tensor& sin,
@@ -29,6 +29,7 @@ void rope_bf16_(const at::Tensor& states, const at::Tensor& cos, const at::Tenso
 at::Tensor skinny_linear_fp32(const at::Tensor& input, const at::Tensor& weight);
 void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
               at::Tensor& value_cache, const at::Tensor& slot_mapping);
+at::Tensor argmax_rows(const at::Tensor& logits);
 
 // Every entry point releases the GIL while it runs (arguments are converted before, the result
 // after): a long prefill's attention would otherwise hold the server's event loop, and /health,
@@ -59,4 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("value_cache"), py::arg("slot_mapping"), no_gil,
         "Write each token's K/V rows (strided [tokens, kv_heads, head_dim], the cache's dtype) "
         "into flat slot slot_mapping[i] of the caches, in place (store_kv.cpp)");
+  m.def("argmax_rows", &argmax_rows, py::arg("logits"), no_gil,
+        "Each row's first index of its maximum (its first NaN if it has one), as torch's "
+        "max(dim=-1).indices, for contiguous float32 or bfloat16 [rows, vocab] (greedy.cpp)");
 }
