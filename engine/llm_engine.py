@@ -18,6 +18,7 @@ from pagedserve.cache.attention import get_attention_backend
 from pagedserve.cache.block_manager import BlockManager
 from pagedserve.cache.cache_engine import CacheEngine
 from pagedserve.configs import EngineConfig, SamplingParams
+from pagedserve.engine.heap_retention import retain_freed_heap_memory
 from pagedserve.engine.inputs import RequestValidator, ValidatedRequest
 from pagedserve.engine.memory import kv_cache_num_blocks, make_cache_spec, resolve_device
 from pagedserve.engine.model_loader import LoadedModel, load_model
@@ -47,6 +48,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         device = resolve_device(config.model.device)
+        if device.type == "cpu":
+            retain_freed_heap_memory()  # before the first forward pass allocates anything
         loaded = loaded or load_model(config.model, device)
         self.tokenizer = loaded.tokenizer
         self.model_name = config.model.served_model_name or config.model.model
