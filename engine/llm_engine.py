@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from types import ModuleType
 
 import torch
 
@@ -42,14 +43,23 @@ from pagedserve.scheduler import (
 logger = logging.getLogger(__name__)
 
 
+def _prepare_cpu_host(device: torch.device) -> ModuleType | None:
+    """On the CPU: freed activation memory kept in the process (before the first forward pass
+    allocates anything), and the C++ extension, whose argmax greedy rows take (engine/sampler.py).
+    Elsewhere None."""
+    if device.type != "cpu":
+        return None
+    retain_freed_heap_memory()
+    return cpu_kernel_or_none("greedy sampling")
+
+
 class LLMEngine:
     """Synchronous core: `add_request`, then `step()` until `has_unfinished_requests()` is False."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         device = resolve_device(config.model.device)
-        if device.type == "cpu":
-            retain_freed_heap_memory()  # before the first forward pass allocates anything
+        cpu_kernel = _prepare_cpu_host(device)
         loaded = loaded or load_model(config.model, device)
         self.tokenizer = loaded.tokenizer
         self.model_name = config.model.served_model_name or config.model.model
@@ -70,8 +80,6 @@ class LLMEngine:
         backend = get_attention_backend(config.cache.attention_backend, device)
         logger.info("attention backend: %s", backend.name)
         self.runner = ModelRunner(loaded.model, self.cache_engine, backend)
-        # On the CPU, greedy rows take the extension's argmax (engine/sampler.py).
-        cpu_kernel = cpu_kernel_or_none("greedy sampling") if device.type == "cpu" else None
         self.sampler = Sampler(config.model.seed, device, cpu_kernel)
         self.rejection_sampler = RejectionSampler(self.sampler, config.model.seed, device)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, device)

@@ -84,7 +84,7 @@ int64_t argmax_row(const T* row, int64_t n) {
   for (; j < n; ++j) {
     if (found(scalar(row[j]))) return j;
   }
-  return 0;  // every value -inf: the first, as torch
+  return 0;  // not reached: the maximum (or a NaN) is one of the row's values
 }
 
 }  // namespace
