@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bfloat16_bits.h"
+
 namespace {
 
 constexpr int kLanes = 16;  // generic vectors: one AVX-512 register, two AVX2 ones
@@ -34,12 +36,7 @@ inline vfloat load(const uint16_t* p) {  // bfloat16: the top half of a float32
 }
 
 inline float scalar(float x) { return x; }
-inline float scalar(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
+inline float scalar(uint16_t x) { return pagedserve::bf16_to_float(x); }
 
 inline bool any(vint mask) {
   for (int i = 0; i < kLanes; ++i)

@@ -735,15 +735,17 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
     const int row0 = (head - head_begin) * head_rows;  // this kv head's first row
     const int64_t key_offset = keys_in_place ? head_offset : 0;
     const int64_t value_offset = values_in_place ? head_offset : 0;
-    for (int t = 0; t < tile_keys && !keys_in_place; ++t) {
-      const int64_t row = tile_rows[tile][t] + head_offset;
-      float* key = key_tile.data() + t * stride;
-      widen_row(p.key_cache + row, key, head_dim);
-      key_rows[t] = key;
-      if (!values_in_place) {
-        float* value = value_tile.data() + t * stride;
-        widen_row(p.value_cache + row, value, head_dim);
-        value_rows[t] = value;
+    if (!keys_in_place) {
+      for (int t = 0; t < tile_keys; ++t) {
+        const int64_t row = tile_rows[tile][t] + head_offset;
+        float* key = key_tile.data() + t * stride;
+        widen_row(p.key_cache + row, key, head_dim);
+        key_rows[t] = key;
+        if (!values_in_place) {
+          float* value = value_tile.data() + t * stride;
+          widen_row(p.value_cache + row, value, head_dim);
+          value_rows[t] = value;
+        }
       }
     }
     for (int m = row0; m < row0 + head_rows; ++m) {
@@ -894,18 +896,12 @@ void run(const Problem<cache_t>& problem, const std::vector<WorkItem>& items) {
     int64_t current = claimed.fetch_add(1, std::memory_order_relaxed);
     bool prefetched = false;
     while (current < num_tasks) {
-      const Task task = task_at(current);
-      if (!claim_ahead) {
-        attend_item<cache_t, CHUNKS>(problem, task, nullptr, false);
-        current = claimed.fetch_add(1, std::memory_order_relaxed);
-        continue;
-      }
-      const int64_t following = claimed.fetch_add(1, std::memory_order_relaxed);
-      const Task next = following < num_tasks ? task_at(following) : Task{};
-      prefetched = attend_item<cache_t, CHUNKS>(problem, task,
-                                                following < num_tasks ? &next : nullptr,
-                                                prefetched);
-      current = following;
+      const int64_t following = claim_ahead ? claimed.fetch_add(1, std::memory_order_relaxed) : -1;
+      const bool has_next = 0 <= following && following < num_tasks;
+      const Task next = has_next ? task_at(following) : Task{};
+      prefetched = attend_item<cache_t, CHUNKS>(problem, task_at(current),
+                                                has_next ? &next : nullptr, prefetched);
+      current = claim_ahead ? following : claimed.fetch_add(1, std::memory_order_relaxed);
     }
   }
 }
