@@ -74,12 +74,12 @@ class ModelConfig(_Section):
         "token-identical to Hugging Face)",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs")
-    # MKL (torch's F.linear) computes Hugging Face's exact bits; it picks its kernels by CPU vendor:
+    # MKL (torch's F.linear) is what Hugging Face's nn.Linear runs; it picks kernels by CPU vendor:
     # on an AMD EPYC oneDNN ran the same float32 linears 1.2-4.3x faster, on Intel's Sapphire
     # Rapids 1.1-1.6x at 16-64 rows and level at prefill sizes (a few ulps apart).
     cpu_float32_linear: Literal["auto", "mkl", "onednn"] = Field(
         "auto",
-        description="float32 linears on the CPU: mkl (torch's F.linear, Hugging Face's bits), "
+        description="float32 linears on the CPU: mkl (torch's F.linear, as Hugging Face's), "
         "onednn (weights packed once for oneDNN), auto: onednn on x86 CPUs, mkl elsewhere",
     )
     max_model_len: int | None = Field(

@@ -1,29 +1,33 @@
-"""bfloat16 Llama-style attention on CPU: one matrix multiply for Q, K and V, and the rotary
-embedding in one C++ pass (cache/attention/csrc/rope.cpp) over the q and k heads of its output.
+"""Llama-style attention on CPU: one matrix multiply for Q, K and V, and the rotary embedding in
+one C++ pass (cache/attention/csrc/rope.cpp) over the q and k heads of its output; for float32
+and bfloat16 models.
 
 Hugging Face's `LlamaAttention.forward` projects q, k and v by three matrix multiplies, then
 `apply_rotary_pos_emb` rotates q and k with ten element-wise ops (two slices, negations,
-concatenations and adds, four multiplies), each a new bfloat16 tensor, in every layer: in a profile
-of the default model's bfloat16 workload (64 requests) they took about 1.5 s of 19 s of operator
-time. `FusedAttention` multiplies by the concatenated [q; k; v] weight (built once at load, then
-packed for oneDNN like every other linear) and rotates q and k in place in that output; from there
-on it is the module's own forward: the attention interface (pagedserve's paged attention), then
-o_proj. The rotation rounds where the module's ops do (bit-identical, checked on every swap); the
-one matmul over [q; k; v] gives the three's bits below 512 rows, while from 512 rows oneDNN
-blocks it differently and an ulp flips here and there (3 in 100,000 values), as for fused_mlp.
+concatenations and adds, four multiplies), each a new tensor, in every layer: in a profile of the
+default model's bfloat16 workload (64 requests) they took about 1.5 s of 19 s of operator time,
+in the float32 one 5.6 s of 60 s (a profiled run of 79 s, 2-core Zen 4). `FusedAttention` multiplies by the concatenated
+[q; k; v] weight (built once at load, then packed for oneDNN like every other linear) and rotates
+q and k in place in that output; from there on it is the module's own forward: the attention
+interface (pagedserve's paged attention), then o_proj. The rotation rounds where the module's ops
+do (bit-identical in both dtypes, checked on every swap); the one matmul over [q; k; v] gives the
+three's bits below 512 rows in bfloat16, while from 512 rows oneDNN blocks it differently and an
+ulp flips here and there (3 in 100,000 values), as for fused_mlp, and float32 sums may come out in
+another order (within float32 rounding, checked on every swap).
 
 Measured (30 layers of the default model's projections and rotation, packed for oneDNN, two
-threads, Sapphire Rapids, interleaved): 23.1 -> 13.9 ms at 64 rows, 81.6 -> 42.3 ms at 512. On the
-whole 64-request workload that is ~2.7 s of ~32, inside that VM's run-to-run noise.
+threads, Sapphire Rapids, interleaved): 23.1 -> 13.9 ms at 64 rows, 81.6 -> 42.3 ms at 512 in
+bfloat16. On the whole 64-request workload that is ~2.7 s of ~32, inside that VM's run-to-run
+noise.
 
 Swapped only where that is all it changes, as engine/fused_mlp.py does:
 - a module whose class's `forward` is, to the character, `LlamaAttention.forward` (Gemma, Granite
   and others copy it; Mistral's and Qwen2's pass a sliding window on, Qwen3's normalises q and k:
   not eligible);
-- bfloat16 CPU models only: float32 models keep the module, whose every bit the equality tests
-  with `generate` check;
-- and only if, on a probe input (5 rows), the rotated q and k and the v are the module's, bit for
-  bit.
+- float32 or bfloat16 CPU models;
+- and only if, on a probe input (5 rows), the rotation of the fused projection is the module's
+  `apply_rotary_pos_emb` bit for bit, and the fused projection is the three's (bit for bit in
+  bfloat16, within float32 rounding in float32).
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from pagedserve.engine.module_swap import (
+    FUSED_DTYPES,
     concatenated_linear,
     cpu_kernel_or_none,
     has_forward_of,
-    is_bfloat16_cpu_model,
+    is_fusable_cpu_model,
     swap_verified,
+    within_float32_rounding,
 )
 
 
@@ -79,7 +85,7 @@ class FusedAttention(nn.Module):
         """q, k and v as the module has them before attention: [batch, heads, tokens, head_dim]
         views of one projection, q and k rotated."""
         qkv = self.qkv_proj(hidden_states)
-        self._kernel.rope_bf16_(
+        self._kernel.rope_(
             qkv.view(-1, qkv.shape[-1]),
             cos.reshape(-1, self.head_dim),
             sin.reshape(-1, self.head_dim),
@@ -124,12 +130,12 @@ class FusedAttention(nn.Module):
 
 
 def can_fuse_attention(model: nn.Module) -> bool:
-    """bfloat16 CPU models only (float32 keeps the module the equality tests check)."""
-    return is_bfloat16_cpu_model(model)
+    """float32 and bfloat16 CPU models."""
+    return is_fusable_cpu_model(model)
 
 
 def fuse_attention(model: nn.Module, kernel: ModuleType | None = None) -> int:
-    """Swap each eligible attention module of a bfloat16 CPU model for a `FusedAttention`;
+    """Swap each eligible attention module of a CPU model for a `FusedAttention`;
     returns how many.
 
     Run before `pack_linears`, which then packs the concatenated weight. `kernel` defaults to the
@@ -142,7 +148,7 @@ def fuse_attention(model: nn.Module, kernel: ModuleType | None = None) -> int:
     def fused(child: nn.Module) -> FusedAttention | None:
         if not computes_llama_attention(type(child)) or child.head_dim % 2:
             return None
-        if child.q_proj.weight.dtype != torch.bfloat16:
+        if child.q_proj.weight.dtype not in FUSED_DTYPES:
             return None
         return FusedAttention(child, kernel)
 
@@ -151,19 +157,32 @@ def fuse_attention(model: nn.Module, kernel: ModuleType | None = None) -> int:
 
 @torch.inference_mode()
 def _same_states(attention: nn.Module, fused: FusedAttention) -> bool:
-    """The rotated q and k and the v of a probe input are the module's, bit for bit."""
+    """On a probe input: the fused projection is the module's three (bit for bit in bfloat16,
+    within float32 rounding in float32), and its rotated q and k are `apply_rotary_pos_emb`'s of
+    it, bit for bit."""
     generator = torch.Generator().manual_seed(0)
+    dtype = attention.q_proj.weight.dtype
     hidden = attention.q_proj.in_features
-    probe = torch.randn(1, 5, hidden, generator=generator).to(torch.bfloat16)
+    probe = torch.randn(1, 5, hidden, generator=generator).to(dtype)
     cos, sin = (  # any angles: the rotation's arithmetic is what is checked
-        torch.rand(1, 5, attention.head_dim, generator=generator).mul(2).sub(1).to(torch.bfloat16)
+        torch.rand(1, 5, attention.head_dim, generator=generator).mul(2).sub(1).to(dtype)
         for _ in range(2)
     )
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+
+    def three(x: Tensor) -> Tensor:
+        return torch.cat([projection(x) for projection in projections], dim=-1)
+
+    if dtype == torch.float32:  # the concatenated weight's sums may run in another order
+        if not within_float32_rounding(fused.qkv_proj, three, rows=5):
+            return False
+    elif not torch.equal(fused.qkv_proj(probe), three(probe)):
+        return False
     shape = (1, 5, -1, attention.head_dim)
     q, k, v = (
-        projection(probe).view(shape).transpose(1, 2)
-        for projection in (attention.q_proj, attention.k_proj, attention.v_proj)
+        part.view(shape).transpose(1, 2)
+        for part in fused.qkv_proj(probe).split(fused.split_sizes, dim=-1)
     )
-    expected = [*apply_rotary_pos_emb(q, k, cos, sin), v]
+    expected_states = [*apply_rotary_pos_emb(q, k, cos, sin), v]
     got = fused.rotated_qkv(probe, cos, sin)
-    return all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    return all(torch.equal(a, b) for a, b in zip(got, expected_states, strict=True))

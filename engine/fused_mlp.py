@@ -1,24 +1,27 @@
-"""bfloat16 Llama-style MLP on CPU: one matrix multiply for gate and up, then SiLU-and-multiply in
-one C++ pass (cache/attention/csrc/silu_mul.cpp), then down.
+"""Llama-style MLP on CPU: one matrix multiply for gate and up, then SiLU-and-multiply in one C++
+pass (cache/attention/csrc/silu_mul.cpp), then down; for float32 and bfloat16 models.
 
 Hugging Face's `LlamaMLP.forward` is `down_proj(act_fn(gate_proj(x)) * up_proj(x))`: two matrix
 multiplies over the same input, a SiLU pass and a multiply pass, each with its own allocation and
 op dispatch, once per layer. `FusedMLP` multiplies by the concatenated `[gate; up]` weight (built
 once at load, then packed for oneDNN like every other linear) and reads that output once for
 `silu(gate) * up`. Measured (30 layers of the default model's shapes, two threads, Sapphire
-Rapids): 0.88x / 0.91x / 0.89x / 0.98x the time per MLP at 1 / 8 / 64 / 512 rows; end to end that
-is inside the machine's noise (`benchmarks/RESULTS.md`).
+Rapids): 0.88x / 0.91x / 0.89x / 0.98x the time per MLP at 1 / 8 / 64 / 512 rows in bfloat16; end
+to end that is inside the machine's noise (`benchmarks/RESULTS.md`). In the float32 workload on a
+2-core Zen 4, SiLU and the multiply took 0.79 and 0.85 ms a call at 512 rows (2.4 s of 60 s in a
+profiled run of 79 s; "Fifteenth session").
 
-The SiLU-and-multiply is bit-identical to the module's (checked on every bfloat16 gate value); the
-one matmul over `[gate; up]` is bit-identical to the two up to 512 rows here, but oneDNN may block
-a larger one differently (it did at 2,048 rows: an ulp here and there). So it is swapped only where
-that is all it changes, as engine/fused_norm.py does:
+In bfloat16 the SiLU-and-multiply is bit-identical to the module's (checked on every bfloat16 gate
+value); in float32 it is within a few ulps (ATen's exp is SLEEF's, this one a polynomial of its
+own). The one matmul over `[gate; up]` is bit-identical to the two up to 512 rows in bfloat16, but
+oneDNN may block a larger one differently (it did at 2,048 rows: an ulp here and there), as any
+float32 sum in another order does. So it is swapped only where that is all it changes, as
+engine/fused_norm.py does:
 - a module whose class's `forward` is, to the character, `LlamaMLP.forward` (Mistral, Qwen2/3,
   Granite and others copy it) and whose activation is SiLU;
-- bfloat16 CPU models only: float32 models keep the module, whose every bit the equality tests
-  with `generate` check (the op's exp is not ATen's float32 one, bit for bit);
-- and only if, on a probe input, the fused intermediate agrees with the module's to two bfloat16
-  ulps.
+- float32 or bfloat16 CPU models;
+- and only if, on a probe input, the fused intermediate agrees with the module's to
+  FUSED_TOLERANCE_EPS (two bfloat16 ulps, eight float32 ones; engine/module_swap.py).
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from pagedserve.engine.module_swap import (
+    FUSED_DTYPES,
     concatenated_linear,
     cpu_kernel_or_none,
     has_forward_of,
-    is_bfloat16_cpu_model,
+    is_fusable_cpu_model,
     swap_verified,
+    within_fused_tolerance,
 )
 
 
@@ -59,19 +64,19 @@ class FusedMLP(nn.Module):
         self._kernel = kernel
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self._kernel.silu_mul_bf16(self.gate_up_proj(x)))
+        return self.down_proj(self._kernel.silu_mul(self.gate_up_proj(x)))
 
     def extra_repr(self) -> str:
         return "silu(gate) * up fused=C++"
 
 
 def can_fuse_mlps(model: nn.Module) -> bool:
-    """bfloat16 CPU models only (float32 keeps the module the equality tests check)."""
-    return is_bfloat16_cpu_model(model)
+    """float32 and bfloat16 CPU models."""
+    return is_fusable_cpu_model(model)
 
 
 def fuse_mlps(model: nn.Module, kernel: ModuleType | None = None) -> int:
-    """Swap each eligible MLP of a bfloat16 CPU model for a `FusedMLP`; returns how many.
+    """Swap each eligible MLP of a CPU model for a `FusedMLP`; returns how many.
 
     Run before `pack_linears`, which then packs the concatenated weight. `kernel` defaults to the
     host's CPU extension build; if it cannot be built the model keeps its modules, with a warning.
@@ -83,23 +88,18 @@ def fuse_mlps(model: nn.Module, kernel: ModuleType | None = None) -> int:
     def fused(child: nn.Module) -> FusedMLP | None:
         if not computes_llama_mlp(type(child)) or not _is_silu(child.act_fn):
             return None
-        if child.gate_proj.weight.dtype != torch.bfloat16:
+        if child.gate_proj.weight.dtype not in FUSED_DTYPES:
             return None
         return FusedMLP(child, kernel)
 
     return swap_verified(model, fused, _same_intermediate, "the fused MLP")
 
 
-# Two bfloat16 ulps, relative (8 significant bits): one from a flipped SiLU rounding, one more
-# from the multiply's rounding after it.
-TOLERANCE = 2 * 2.0**-7
-
-
 @torch.inference_mode()
 def _same_intermediate(mlp: nn.Module, fused: FusedMLP) -> bool:
-    """`silu(gate) * up` within two bfloat16 ulps of the module's on a probe input."""
+    """`silu(gate) * up` within FUSED_TOLERANCE_EPS of the module's on a probe input."""
     size = mlp.gate_proj.in_features
-    probe = torch.randn(4, size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    expected = (mlp.act_fn(mlp.gate_proj(probe)) * mlp.up_proj(probe)).float()
-    got = fused._kernel.silu_mul_bf16(fused.gate_up_proj(probe)).float()
-    return bool(((got - expected).abs() <= TOLERANCE * expected.abs()).all())
+    probe = torch.randn(4, size, generator=torch.Generator().manual_seed(0))
+    probe = probe.to(mlp.gate_proj.weight.dtype)
+    expected = mlp.act_fn(mlp.gate_proj(probe)) * mlp.up_proj(probe)
+    return within_fused_tolerance(fused._kernel.silu_mul(fused.gate_up_proj(probe)), expected)

@@ -220,10 +220,12 @@ def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> No
     """Swap in the CPU fast paths that apply to this model (each checks its own dtype and
     eligibility; the model classes stay Hugging Face's). `float32_linear` is the config's
     `cpu_float32_linear`."""
-    if can_fuse_mlps(model):  # bfloat16 on the CPU: [gate; up] in one matmul, SiLU-and-mul in C++
-        logger.info("fused %d bfloat16 MLP layers", fuse_mlps(model))
-    if can_fuse_attention(model):  # bfloat16 on the CPU: [q; k; v] in one matmul, RoPE in C++
-        logger.info("fused %d bfloat16 attention layers", fuse_attention(model))
+    # float32 and bfloat16 on the CPU: [gate; up] and [q; k; v] in one matmul each (packed or
+    # swapped below like any other linear), SiLU-and-mul, RoPE and RMSNorm in C++.
+    if can_fuse_mlps(model):
+        logger.info("fused %d MLP layers", fuse_mlps(model))
+    if can_fuse_attention(model):
+        logger.info("fused %d attention layers", fuse_attention(model))
     if can_pack(model):  # bfloat16 on a CPU with native bf16: oneDNN's layout, reordered once
         logger.info("packed %d bfloat16 linear layers for oneDNN", pack_linears(model))
     if can_widen_linears(model):  # bfloat16 on a CPU without native bf16: multiply in float32
@@ -233,8 +235,8 @@ def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> No
             widen_linears(model),
             widened_weight_mib(model),
         )
-    if can_fuse_norms(model):  # bfloat16 on the CPU: RMSNorm in one C++ pass
-        logger.info("fused %d bfloat16 RMSNorm layers", fuse_rms_norms(model))
+    if can_fuse_norms(model):
+        logger.info("fused %d RMSNorm layers", fuse_rms_norms(model))
     # float32 (and widened bfloat16) linears: oneDNN where MKL is slow, and decode-sized batches
     # through the skinny kernel: the LM head's, or every layer's on AVX2-only CPUs (swapped first:
     # packing leaves swapped layers alone, and each keeps a packed copy for larger batches).

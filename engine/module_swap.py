@@ -26,6 +26,27 @@ def is_bfloat16_cpu_model(model: nn.Module) -> bool:
     return is_cpu_model(model, torch.bfloat16)
 
 
+# The dtypes the fused C++ ops (RMSNorm, SiLU-and-mul, RoPE) compute, rounding where HF rounds.
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+# How far a fused op's output may be from the module's, relative, in units of the dtype's eps
+# (the spacing of values in [1, 2)). bfloat16: one flipped rounding, one more from the multiply
+# after it. float32: a sum (RMSNorm's) or an exp (SiLU's) in another order or to another last bit,
+# carried through two or three roundings after it; a different formula is off by far more.
+FUSED_TOLERANCE_EPS = {torch.bfloat16: 2, torch.float32: 8}
+
+
+def is_fusable_cpu_model(model: nn.Module) -> bool:
+    """Whether the model's (first) parameters are on the CPU in a dtype the fused ops compute."""
+    return any(is_cpu_model(model, dtype) for dtype in FUSED_DTYPES)
+
+
+def within_fused_tolerance(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether a fused op's output is the module's up to FUSED_TOLERANCE_EPS, element by element."""
+    eps = torch.finfo(expected.dtype).eps * FUSED_TOLERANCE_EPS[expected.dtype]
+    got, expected = got.float(), expected.float()
+    return bool(((got - expected).abs() <= eps * expected.abs()).all())
+
+
 @functools.cache
 def has_forward_of(cls: type, reference: type) -> bool:
     """Whether `cls.forward` is, to the character, `reference.forward` (so it computes the formula
@@ -60,7 +81,9 @@ def tied_to_other_modules(model: nn.Module) -> set[int]:
 
 
 @torch.inference_mode()
-def within_float32_rounding(linear: nn.Linear, replacement: nn.Module, rows: int) -> bool:
+def within_float32_rounding(
+    linear: nn.Linear, replacement: Callable[[torch.Tensor], torch.Tensor], rows: int
+) -> bool:
     """Whether `replacement` computes `linear` on a `rows`-row probe up to float32 rounding: its
     sums of `in_features` products in another order, a few ulps of the summed magnitudes."""
     probe = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(0))

@@ -33,7 +33,7 @@ from pagedserve.cache.attention.torch_ref import TorchPagedAttention, to_cache_d
 
 logger = logging.getLogger(__name__)
 
-# One extension: the attention kernel, the fused ops bfloat16 models use (norm, SiLU-and-mul), the
+# One extension: the attention kernel, the fused ops of CPU models (norm, SiLU-and-mul, RoPE), the
 # float32 decode-size linear, the K/V store and greedy sampling's argmax.
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
@@ -50,7 +50,7 @@ _SOURCES = tuple(
 )
 _HEADERS = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("aten_ops.h", "bfloat16_bits.h", "tile_attention.h")
+    for name in ("aten_ops.h", "bfloat16_bits.h", "row_formats.h", "tile_attention.h")
 )  # part of the build key too
 # -Wno-psabi: GCC notes the ABI of wide vector returns; they never leave the file.
 # Tuples: torch appends its own libraries to the flag lists it is given, and a module-level list

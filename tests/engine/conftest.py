@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
     LlamaConfig,
@@ -140,6 +141,15 @@ def default_model_path() -> Path:
 @pytest.fixture(scope="session")
 def default_tokenizer(default_model_path: Path):
     return AutoTokenizer.from_pretrained(default_model_path, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def default_hf_model(default_model_path: Path) -> torch.nn.Module:
+    """The default model in float32 as Hugging Face loads it, none of the loader's CPU swaps (fused
+    norms, MLPs and attention, packed and skinny linears): what references of it run."""
+    return AutoModelForCausalLM.from_pretrained(
+        default_model_path, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
 
 
 @pytest.fixture(scope="session")

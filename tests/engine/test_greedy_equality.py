@@ -73,10 +73,11 @@ def prompts(default_tokenizer) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="session")
-def references(default_loaded, prompts):
-    """HF greedy references, computed once per session and reused for every configuration."""
+def references(default_hf_model, prompts):
+    """HF greedy references (Hugging Face's own model, none of the loader's CPU swaps), computed
+    once per session and reused for every configuration."""
     return {
-        rid: hf_greedy_reference(default_loaded.model, prompt, MAX_NEW_TOKENS)
+        rid: hf_greedy_reference(default_hf_model, prompt, MAX_NEW_TOKENS)
         for rid, prompt in prompts.items()
     }
 

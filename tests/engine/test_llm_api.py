@@ -34,7 +34,7 @@ def _check_shape(output: RequestOutput, tokenizer, num_choices: int = 1) -> None
         assert choice.text == tokenizer.decode(choice.token_ids, skip_special_tokens=True)
 
 
-def test_generate_from_a_string_matches_hf_generate(llm):
+def test_generate_from_a_string_matches_hf_generate(llm, default_hf_model):
     prompt = "The capital of France is"
     (output,) = llm.generate(prompt, GREEDY)
     _check_shape(output, llm.tokenizer)
@@ -43,7 +43,7 @@ def test_generate_from_a_string_matches_hf_generate(llm):
     assert (
         len(choice.token_ids) == 8 and choice.finish_reason == "length" and choice.logprobs is None
     )
-    reference = hf_greedy_reference(llm.engine.runner.model, output.prompt_token_ids, 8)
+    reference = hf_greedy_reference(default_hf_model, output.prompt_token_ids, 8)
     assert_matches_reference(choice.token_ids, reference, "LLM.generate")
 
 

@@ -73,7 +73,7 @@ def test_the_loader_packs_a_bfloat16_model_and_leaves_float32_alone(default_mode
     config = ModelConfig(model=DEFAULT_MODEL, dtype="float32", cpu_float32_linear="mkl")
     fp32 = load_model(config, "cpu").model
     assert not any(isinstance(m, PackedLinear) for m in fp32.modules())
-    assert type(fp32.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert type(fp32.model.layers[0].self_attn.qkv_proj) is nn.Linear  # fused, left on MKL
 
 
 def test_auto_runs_float32_linears_on_onednn_on_identified_x86_cpus():
@@ -132,7 +132,7 @@ def test_the_loader_packs_float32_for_onednn_or_keeps_mkl_with_the_skinny_head(
 
     monkeypatch.setattr(skinny_linear, "host_cpu_flags", lambda: flags)
     onednn = load("onednn")
-    q_proj = onednn.model.layers[0].self_attn.q_proj
+    q_proj = onednn.model.layers[0].self_attn.qkv_proj  # [q; k; v] fused, then swapped
     # Without AVX2: the head's 1-8 rows through the kernel, the rest packed.
     if skinny_layers == "head":
         assert isinstance(q_proj, PackedLinear)
@@ -146,5 +146,5 @@ def test_the_loader_packs_float32_for_onednn_or_keeps_mkl_with_the_skinny_head(
     assert isinstance(onednn.lm_head.fallback, PackedLinear)
     assert onednn.lm_head.weight is onednn.model.embed_tokens.weight
     mkl = load("mkl")
-    assert type(mkl.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert type(mkl.model.layers[0].self_attn.qkv_proj) is nn.Linear
     assert isinstance(mkl.lm_head, SkinnyLinear)

@@ -181,7 +181,7 @@ def test_max_tokens_zero_needs_prompt_logprobs():
 
 @pytest.mark.slow
 def test_default_model_prompt_logprobs_equal_hf_from_1_to_1000_tokens(
-    default_loaded, default_tokenizer
+    default_loaded, default_hf_model, default_tokenizer
 ):
     text = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(120))
     corpus = default_tokenizer.encode(text)
@@ -205,5 +205,5 @@ def test_default_model_prompt_logprobs_equal_hf_from_1_to_1000_tokens(
     engine.add_request("shared", prompts["shared"], params)
     run = run_to_completion(engine, run)
     for request_id, token_ids in prompts.items():
-        reference = hf_logprobs(default_loaded.model, token_ids)
+        reference = hf_logprobs(default_hf_model, token_ids)
         assert_prompt_logprobs_match(run.prompt_logprobs[request_id], token_ids, reference, 5)

@@ -22,10 +22,10 @@ int vector_lanes();
 bool bf16_dot_products();
 bool amx_tiles();
 // rms_norm.cpp, silu_mul.cpp, rope.cpp, skinny_linear.cpp, store_kv.cpp and greedy.cpp
-at::Tensor rms_norm_bf16(const at::Tensor& input, const at::Tensor& weight, double eps);
-at::Tensor silu_mul_bf16(const at::Tensor& gate_up);
-void rope_bf16_(const at::Tensor& states, const at::Tensor& cos, const at::Tensor& sin,
-                int64_t num_heads, int64_t head_dim);
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+void rope_(const at::Tensor& states, const at::Tensor& cos, const at::Tensor& sin,
+           int64_t num_heads, int64_t head_dim);
 at::Tensor skinny_linear_fp32(const at::Tensor& input, const at::Tensor& weight);
 void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
               at::Tensor& value_cache, const at::Tensor& slot_mapping);
@@ -45,15 +45,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), no_gil,
         "Paged attention over a mixed batch (float32 or bfloat16 query, strided, any supported "
         "cache dtype); returns [num_tokens, num_heads, head_dim] in the query's dtype");
-  m.def("rms_norm_bf16", &rms_norm_bf16, py::arg("input"), py::arg("weight"), py::arg("eps"),
-        no_gil,
-        "Hugging Face's LlamaRMSNorm of bfloat16 rows in one pass (rms_norm.cpp)");
-  m.def("silu_mul_bf16", &silu_mul_bf16, py::arg("gate_up"), no_gil,
-        "SiLU(gate) * up of bfloat16 [..., 2 * I] rows, as LlamaMLP rounds it (silu_mul.cpp)");
-  m.def("rope_bf16_", &rope_bf16_, py::arg("states"), py::arg("cos"), py::arg("sin"),
+  m.def("rms_norm", &rms_norm, py::arg("input"), py::arg("weight"), py::arg("eps"), no_gil,
+        "Hugging Face's LlamaRMSNorm of float32 or bfloat16 rows in one pass (rms_norm.cpp)");
+  m.def("silu_mul", &silu_mul, py::arg("gate_up"), no_gil,
+        "SiLU(gate) * up of float32 or bfloat16 [..., 2 * I] rows, as LlamaMLP rounds it "
+        "(silu_mul.cpp)");
+  m.def("rope_", &rope_, py::arg("states"), py::arg("cos"), py::arg("sin"),
         py::arg("num_heads"), py::arg("head_dim"), no_gil,
         "Hugging Face's apply_rotary_pos_emb, in place, on the first num_heads heads of each "
-        "bfloat16 row (rope.cpp)");
+        "float32 or bfloat16 row (rope.cpp)");
   m.def("skinny_linear_fp32", &skinny_linear_fp32, py::arg("input"), py::arg("weight"), no_gil,
         "float32 input @ weight.T for at most 16 rows, weights streamed once (skinny_linear.cpp)");
   m.def("store_kv", &store_kv, py::arg("key"), py::arg("value"), py::arg("key_cache"),
