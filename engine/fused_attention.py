@@ -6,14 +6,15 @@ Hugging Face's `LlamaAttention.forward` projects q, k and v by three matrix mult
 `apply_rotary_pos_emb` rotates q and k with ten element-wise ops (two slices, negations,
 concatenations and adds, four multiplies), each a new tensor, in every layer: in a profile of the
 default model's bfloat16 workload (64 requests) they took about 1.5 s of 19 s of operator time,
-in the float32 one 5.6 s of 60 s (a profiled run of 79 s, 2-core Zen 4). `FusedAttention` multiplies by the concatenated
-[q; k; v] weight (built once at load, then packed for oneDNN like every other linear) and rotates
-q and k in place in that output; from there on it is the module's own forward: the attention
-interface (pagedserve's paged attention), then o_proj. The rotation rounds where the module's ops
-do (bit-identical in both dtypes, checked on every swap); the one matmul over [q; k; v] gives the
-three's bits below 512 rows in bfloat16, while from 512 rows oneDNN blocks it differently and an
-ulp flips here and there (3 in 100,000 values), as for fused_mlp, and float32 sums may come out in
-another order (within float32 rounding, checked on every swap).
+in the float32 one 5.6 s of 60 s (a profiled run of 79 s, 2-core Zen 4). `FusedAttention`
+multiplies by the concatenated [q; k; v] weight (built once at load, then packed for oneDNN like
+every other linear) and rotates q and k in place in that output; from there on it is the module's
+own forward: the attention interface (pagedserve's paged attention), then o_proj. The rotation
+rounds where the module's ops do (bit-identical in both dtypes, checked on every swap); the one
+matmul over [q; k; v] gives the three's bits below 512 rows in bfloat16, while from 512 rows
+oneDNN blocks it differently and an ulp flips here and there (3 in 100,000 values), as for
+fused_mlp, and float32 sums may come out in another order (within float32 rounding, checked on
+every swap).
 
 Measured (30 layers of the default model's projections and rotation, packed for oneDNN, two
 threads, Sapphire Rapids, interleaved): 23.1 -> 13.9 ms at 64 rows, 81.6 -> 42.3 ms at 512 in
