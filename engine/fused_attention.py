@@ -45,13 +45,13 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from pagedserve.engine.module_swap import (
-    FUSED_DTYPES,
     concatenated_linear,
+    concatenation_agrees,
     cpu_kernel_or_none,
+    fusable_dtype,
     has_forward_of,
     is_fusable_cpu_model,
     swap_verified,
-    within_float32_rounding,
 )
 
 
@@ -143,13 +143,14 @@ def fuse_attention(model: nn.Module, kernel: ModuleType | None = None) -> int:
     host's CPU extension build; if it cannot be built the model keeps its modules, with a warning.
     """
     kernel = kernel or cpu_kernel_or_none("attention left unfused")
-    if kernel is None:
+    dtype = fusable_dtype(model)
+    if kernel is None or dtype is None:
         return 0
 
     def fused(child: nn.Module) -> FusedAttention | None:
         if not computes_llama_attention(type(child)) or child.head_dim % 2:
             return None
-        if child.q_proj.weight.dtype not in FUSED_DTYPES:
+        if child.q_proj.weight.dtype != dtype:
             return None
         return FusedAttention(child, kernel)
 
@@ -169,15 +170,8 @@ def _same_states(attention: nn.Module, fused: FusedAttention) -> bool:
         torch.rand(1, 5, attention.head_dim, generator=generator).mul(2).sub(1).to(dtype)
         for _ in range(2)
     )
-    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-
-    def three(x: Tensor) -> Tensor:
-        return torch.cat([projection(x) for projection in projections], dim=-1)
-
-    if dtype == torch.float32:  # the concatenated weight's sums may run in another order
-        if not within_float32_rounding(fused.qkv_proj, three, rows=5):
-            return False
-    elif not torch.equal(fused.qkv_proj(probe), three(probe)):
+    projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+    if not concatenation_agrees(fused.qkv_proj, projections, rows=5):
         return False
     shape = (1, 5, -1, attention.head_dim)
     q, k, v = (

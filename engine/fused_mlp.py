@@ -33,9 +33,10 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from pagedserve.engine.module_swap import (
-    FUSED_DTYPES,
     concatenated_linear,
+    concatenation_agrees,
     cpu_kernel_or_none,
+    fusable_dtype,
     has_forward_of,
     is_fusable_cpu_model,
     swap_verified,
@@ -82,13 +83,14 @@ def fuse_mlps(model: nn.Module, kernel: ModuleType | None = None) -> int:
     host's CPU extension build; if it cannot be built the model keeps its modules, with a warning.
     """
     kernel = kernel or cpu_kernel_or_none("MLP left unfused")
-    if kernel is None:
+    dtype = fusable_dtype(model)
+    if kernel is None or dtype is None:
         return 0
 
     def fused(child: nn.Module) -> FusedMLP | None:
         if not computes_llama_mlp(type(child)) or not _is_silu(child.act_fn):
             return None
-        if child.gate_proj.weight.dtype not in FUSED_DTYPES:
+        if child.gate_proj.weight.dtype != dtype:
             return None
         return FusedMLP(child, kernel)
 
@@ -97,9 +99,12 @@ def fuse_mlps(model: nn.Module, kernel: ModuleType | None = None) -> int:
 
 @torch.inference_mode()
 def _same_intermediate(mlp: nn.Module, fused: FusedMLP) -> bool:
-    """`silu(gate) * up` within FUSED_TOLERANCE_EPS of the module's on a probe input."""
-    size = mlp.gate_proj.in_features
-    probe = torch.randn(4, size, generator=torch.Generator().manual_seed(0))
-    probe = probe.to(mlp.gate_proj.weight.dtype)
-    expected = mlp.act_fn(mlp.gate_proj(probe)) * mlp.up_proj(probe)
-    return within_fused_tolerance(fused._kernel.silu_mul(fused.gate_up_proj(probe)), expected)
+    """On a probe input: the [gate; up] matmul is the module's two (bit for bit in bfloat16, within
+    float32 rounding in float32), and `silu(gate) * up` of it is within FUSED_TOLERANCE_EPS of
+    the module's act_fn(gate) * up."""
+    if not concatenation_agrees(fused.gate_up_proj, [mlp.gate_proj, mlp.up_proj], rows=4):
+        return False
+    probe = torch.randn(4, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(0))
+    gate_up = fused.gate_up_proj(probe.to(mlp.gate_proj.weight.dtype))
+    gate, up = gate_up.chunk(2, dim=-1)
+    return within_fused_tolerance(fused._kernel.silu_mul(gate_up), mlp.act_fn(gate) * up)

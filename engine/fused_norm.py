@@ -37,8 +37,8 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from pagedserve.engine.module_swap import (
-    FUSED_DTYPES,
     cpu_kernel_or_none,
+    fusable_dtype,
     has_forward_of,
     is_fusable_cpu_model,
     swap_verified,
@@ -79,11 +79,12 @@ def fuse_rms_norms(model: nn.Module, kernel: ModuleType | None = None) -> int:
     built the model keeps its modules, with a warning.
     """
     kernel = kernel or cpu_kernel_or_none("RMSNorm left unfused")
-    if kernel is None:
+    dtype = fusable_dtype(model)
+    if kernel is None or dtype is None:
         return 0
 
     def fused(child: nn.Module) -> FusedRMSNorm | None:
-        if not computes_llama_rms_norm(type(child)) or child.weight.dtype not in FUSED_DTYPES:
+        if not computes_llama_rms_norm(type(child)) or child.weight.dtype != dtype:
             return None
         return FusedRMSNorm(child, kernel)
 

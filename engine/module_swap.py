@@ -29,15 +29,38 @@ def is_bfloat16_cpu_model(model: nn.Module) -> bool:
 # The dtypes the fused C++ ops (RMSNorm, SiLU-and-mul, RoPE) compute, rounding where HF rounds.
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 # How far a fused op's output may be from the module's, relative, in units of the dtype's eps
-# (the spacing of values in [1, 2)). bfloat16: one flipped rounding, one more from the multiply
-# after it. float32: a sum (RMSNorm's) or an exp (SiLU's) in another order or to another last bit,
-# carried through two or three roundings after it; a different formula is off by far more.
+# (the spacing of values in [1, 2), so N eps is N to 2N ulps of a value). bfloat16: one flipped
+# rounding, one more from the multiply after it. float32: a sum (RMSNorm's) or an exp (SiLU's) in
+# another order or to another last bit, carried through two or three roundings after it; a
+# different formula is off by far more.
 FUSED_TOLERANCE_EPS = {torch.bfloat16: 2, torch.float32: 8}
 
 
 def is_fusable_cpu_model(model: nn.Module) -> bool:
     """Whether the model's (first) parameters are on the CPU in a dtype the fused ops compute."""
-    return any(is_cpu_model(model, dtype) for dtype in FUSED_DTYPES)
+    return fusable_dtype(model) is not None
+
+
+def fusable_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype a fused module of this model computes in: its (first) parameters' on the CPU,
+    where that is one of FUSED_DTYPES (a module kept in another dtype, e.g. a float32 norm in a
+    bfloat16 model, is left alone: the op takes one dtype for input and weight)."""
+    return next((dtype for dtype in FUSED_DTYPES if is_cpu_model(model, dtype)), None)
+
+
+@torch.inference_mode()
+def concatenation_agrees(concatenated: nn.Linear, parts: list[nn.Module], rows: int) -> bool:
+    """Whether `concatenated` computes `parts`' outputs side by side on a `rows`-row probe: bit for
+    bit in bfloat16, within float32 rounding in float32 (its sums may run in another order)."""
+
+    def side_by_side(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in parts], dim=-1)
+
+    if concatenated.weight.dtype == torch.float32:
+        return within_float32_rounding(concatenated, side_by_side, rows)
+    probe = torch.randn(rows, concatenated.in_features, generator=torch.Generator().manual_seed(0))
+    probe = probe.to(concatenated.weight.dtype)
+    return torch.equal(concatenated(probe), side_by_side(probe))
 
 
 def within_fused_tolerance(got: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -102,7 +125,8 @@ def swap_verified(
 ) -> int:
     """Swap each submodule for `replacement_for(submodule)` (None: not eligible) where
     `agrees(original, replacement)` holds on a probe; returns how many. A replacement that
-    disagrees is logged and the original kept: a swap may make a model faster, never different."""
+    disagrees is logged and the original kept: a swap may make a model faster, never different
+    beyond rounding."""
 
     def replace(name: str, child: nn.Module) -> nn.Module | None:
         replacement = replacement_for(child)

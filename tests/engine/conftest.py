@@ -154,7 +154,8 @@ def default_hf_model(default_model_path: Path) -> torch.nn.Module:
 
 @pytest.fixture(scope="session")
 def default_loaded(default_model_path: Path) -> LoadedModel:
-    """The default model in float32, shared by every engine of the session (and the references)."""
+    """The default model in float32 as the loader serves it (its CPU swaps included), shared by
+    every engine of the session; references run `default_hf_model`."""
     return load_model(ModelConfig(model=str(default_model_path), dtype="float32"), "cpu")
 
 
@@ -213,9 +214,10 @@ def mean_logit_errors(
 @contextlib.contextmanager
 def hugging_face_linears(model: torch.nn.Module) -> Iterator[None]:
     """The model with `nn.Linear` where the loader put a `SkinnyLinear`, a float32 `PackedLinear`
-    or a `WidenedLinear` (the same weights, in the layer's own dtype), so that a reference is
-    Hugging Face's computation alone; the loader's modules come back afterwards. (bfloat16 packed
-    layers compute HF's bits already.)"""
+    or a `WidenedLinear` (the same weights, in the layer's own dtype), so that a reference gets
+    Hugging Face's linears; the loader's modules come back afterwards. (bfloat16 packed layers
+    compute HF's bits already.) Fused norms, MLPs and attention stay: a reference of the default
+    model runs `default_hf_model`, which has none."""
     originals: dict[int, torch.nn.Module] = {}
     inside_widened = {  # a widened layer's float32 modules go (and come back) with it
         id(inner)

@@ -58,7 +58,7 @@ def test_rope_rejects_what_it_cannot_rotate():
     )
     with pytest.raises(RuntimeError, match="one dtype"):
         kernel.rope_(rows.float(), table, table, 2, 64)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="takes float32 or bfloat16"):
         kernel.rope_(rows.half(), table.half(), table.half(), 2, 64)
     with pytest.raises(RuntimeError, match="exceed"):
         kernel.rope_(rows, table, table, 3, 64)

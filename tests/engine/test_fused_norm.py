@@ -23,7 +23,8 @@ from pagedserve.engine.fused_norm import (
 from pagedserve.engine.module_swap import within_fused_tolerance
 from tests.engine.conftest import load_default_on_cpu, make_tiny_model, mean_logit_errors
 
-SHAPES = [(1, 576), (64, 576), (2, 7, 576), (3, 4, 64), (5, 1536)]  # rows, batches, q/k norms
+# Rows, batches, q/k norms, and a wide row (a sum of 8,192 squares).
+SHAPES = [(1, 576), (64, 576), (2, 7, 576), (3, 4, 64), (5, 1536), (4, 8192)]
 
 
 def assert_close_to_the_module(got: torch.Tensor, expected: torch.Tensor) -> None:

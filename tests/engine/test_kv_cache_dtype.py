@@ -77,13 +77,15 @@ def _engine_greedy(loaded, kv_cache_dtype: str, prompts: dict[str, list[int]]):
     return run_to_completion(engine).token_ids
 
 
-def _shortfalls(loaded, kv_cache_dtype: str, implementation: str) -> list[torch.Tensor]:
+def _shortfalls(
+    loaded, reference: torch.nn.Module, kv_cache_dtype: str, implementation: str
+) -> list[torch.Tensor]:
     """Per prompt, how far below the reference's best log-probability each of the engine's greedy
     tokens falls, given the engine's own prefix."""
     prompts = {f"p{i}": loaded.tokenizer.encode(text) for i, text in enumerate(PROMPTS)}
     token_ids = _engine_greedy(loaded, kv_cache_dtype, prompts)
     return [
-        teacher_forced_shortfalls(loaded.model, prompt, token_ids[request_id], implementation)
+        teacher_forced_shortfalls(reference, prompt, token_ids[request_id], implementation)
         for request_id, prompt in prompts.items()
     ]
 
@@ -93,10 +95,10 @@ def _shortfalls(loaded, kv_cache_dtype: str, implementation: str) -> list[torch.
     [("bfloat16", BFLOAT16_LOGPROB_SLACK), ("fp8_e4m3", FP8_LOGPROB_SLACK)],
 )
 def test_greedy_tokens_are_greedy_under_hf_with_kv_rounded_to_the_cache_dtype(
-    default_loaded, kv_cache_dtype, slack
+    default_loaded, default_hf_model, kv_cache_dtype, slack
 ):
     implementation = _rounded_kv_implementation(kv_cache_dtype)
-    shortfalls = _shortfalls(default_loaded, kv_cache_dtype, implementation)
+    shortfalls = _shortfalls(default_loaded, default_hf_model, kv_cache_dtype, implementation)
     for index, shortfall in enumerate(shortfalls):
         assert (shortfall <= slack).all(), (
             f"{kv_cache_dtype} p{index}: engine tokens fall {shortfall.max():.3g} below HF's "

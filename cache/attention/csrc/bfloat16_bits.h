@@ -1,5 +1,5 @@
-// bfloat16 <-> float32 by bit operations, for the CPU extension's bfloat16 ops (rms_norm.cpp,
-// silu_mul.cpp).
+// bfloat16 <-> float32 by bit operations, for the CPU extension's bfloat16 paths (row_formats.h,
+// the attention kernel, greedy.cpp).
 //
 // A bfloat16 is the high half of a float32, so widening is a shift and narrowing is a rounding of
 // the low half (to nearest, ties to even; NaN stays a quiet NaN). c10's BFloat16 conversions are

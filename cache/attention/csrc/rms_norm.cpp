@@ -9,9 +9,11 @@
 //   normed = narrow(x * 1 / sqrt(mean(x^2) + eps))   in float32, as HF's .to(input_dtype)
 //   out    = narrow(float(weight) * float(normed))    as HF's weight * normed in the model's dtype
 // (narrow: to bfloat16 for a bfloat16 model, nothing for a float32 one; row_formats.h). The sum of
-// squares is float32 in another order than ATen's mean, so 1 / rms can differ in its last bit: in
-// float32 every element of such a row moves by an ulp; in bfloat16 an element whose scaled value
-// sits on a rounding boundary rounds the other way (one bfloat16 ulp, a few per 10,000).
+// squares is taken in double, nearly exact, where ATen's mean sums float32 in its own order, so
+// 1 / rms can differ in its last bits: in float32 the elements of such a row move by a few ulps
+// (at most 5 on random rows); in bfloat16 an element whose scaled value sits on a rounding
+// boundary rounds the other way (one bfloat16 ulp, a few per 10,000). A float32 sum would drift
+// with the row's length (one accumulator per vector lane): double keeps wide rows as close.
 #include "aten_ops.h"
 
 #include <cmath>
@@ -34,13 +36,14 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& output,
   at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = src + r * size;
-      float sum_of_squares = 0.0f;
+      double sum_of_squares = 0.0;
 #pragma omp simd reduction(+ : sum_of_squares)
       for (int64_t i = 0; i < size; ++i) {
-        const float value = Format::widen(row[i]);
+        const double value = Format::widen(row[i]);
         sum_of_squares += value * value;
       }
-      const float inverse_rms = 1.0f / std::sqrt(sum_of_squares / size + epsilon);
+      const float mean_square = static_cast<float>(sum_of_squares / size);
+      const float inverse_rms = 1.0f / std::sqrt(mean_square + epsilon);
       T* out = dst + r * size;
 #pragma omp simd
       for (int64_t i = 0; i < size; ++i) {

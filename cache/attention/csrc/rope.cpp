@@ -61,10 +61,10 @@ void rotate_rows(const at::Tensor& states, const at::Tensor& cos, const at::Tens
 void rope_(const at::Tensor& states, const at::Tensor& cos, const at::Tensor& sin,
            int64_t num_heads, int64_t head_dim) {
   const auto dtype = states.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rope_ takes float32 or bfloat16");
   for (const auto* tensor : {&states, &cos, &sin}) {
-    TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
-                    tensor->scalar_type() == dtype && tensor->device().is_cpu(),
-                "rope_ takes float32 or bfloat16 CPU tensors, all of one dtype");
+    TORCH_CHECK(tensor->scalar_type() == dtype && tensor->device().is_cpu(),
+                "rope_ takes CPU tensors of one dtype (states, cos and sin)");
     TORCH_CHECK(tensor->dim() == 2 && tensor->stride(1) == 1, "rope_ takes 2-D row tensors "
                 "with contiguous rows");
   }

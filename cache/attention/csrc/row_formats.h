@@ -12,22 +12,18 @@
 
 #include <cstdint>
 
-#include <c10/core/ScalarType.h>
-
 #include "bfloat16_bits.h"
 
 namespace pagedserve {
 
 struct Float32 {
   using type = float;
-  static constexpr c10::ScalarType kScalarType = c10::ScalarType::Float;
   static float widen(float x) { return x; }
   static float narrow(float v) { return v; }
 };
 
 struct Bfloat16 {
   using type = uint16_t;
-  static constexpr c10::ScalarType kScalarType = c10::ScalarType::BFloat16;
   static float widen(uint16_t x) { return bf16_to_float(x); }
   static uint16_t narrow(float v) { return float_to_bf16(v); }
 };
