@@ -11,15 +11,15 @@ with prefix caching off); 4-5x faster per call (9 us vs 45 us at 64 rows, 0.23 m
 2,048 rows). In the float32 workload on a 2-core Zen 4 the module took 0.38 ms a call at 512
 rows and 0.14 ms at 64 (1.7 s of a ~60 s run; benchmarks/RESULTS.md, "Fifteenth session").
 
-Not bit-identical: the op sums the squares in another order than ATen's mean, so 1 / rms can
-differ in its last bit. In float32 a row's elements then move by a few ulps (at most 5 on random
-rows), as the linears' own sums in another order (oneDNN's, the skinny kernel's) already move
-them; in bfloat16 an element whose scaled value sits on a rounding boundary can round the other
-way (one ulp, a few elements in 10,000). On the default model the fused bfloat16 logits are as
-close to the float32 model's as the module's are (mean absolute error 0.087-0.105 either way over
-8 real prompts, top-1 agreement the same or higher), and the float32 model with every fused op
-still gives Hugging Face's greedy tokens (tests/engine/test_greedy_equality.py). So it is swapped
-only where that is all it changes:
+Not bit-identical: the op sums the squares in double (nearly exact) where ATen's mean sums float32
+in its own order, so 1 / rms can differ in its last bits. In float32 a row's elements then move by a
+few ulps (at most 3 on random rows), as the linears' own sums in another order (oneDNN's, the skinny
+kernel's) already move them; in bfloat16 an element whose scaled value sits on a rounding boundary
+can round the other way (one ulp, a few elements in 10,000). On the default model the fused bfloat16
+logits are as close to the float32 model's as the module's are (mean absolute error 0.087-0.105
+either way over 8 real prompts, top-1 agreement the same or higher), and the float32 model with
+every fused op still gives Hugging Face's greedy tokens (tests/engine/test_greedy_equality.py). So
+it is swapped only where that is all it changes:
 - a module whose class's `forward` is, to the character, `LlamaRMSNorm.forward` (Llama, Mistral,
   Qwen2/3, Phi-3, Granite, SmolLM3 copy it; Gemma's `1 + weight` and Olmo2's order differ and are
   left alone);

@@ -220,8 +220,7 @@ def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> No
     """Swap in the CPU fast paths that apply to this model (each checks its own dtype and
     eligibility; the model classes stay Hugging Face's). `float32_linear` is the config's
     `cpu_float32_linear`."""
-    # float32 and bfloat16 on the CPU: [gate; up] and [q; k; v] in one matmul each (packed or
-    # swapped below like any other linear), SiLU-and-mul, RoPE and RMSNorm in C++.
+    # float32 and bfloat16: [gate; up], [q; k; v] as one linear each; SiLU-mul, RoPE, RMSNorm in C++
     if can_fuse_mlps(model):
         logger.info("fused %d MLP layers", fuse_mlps(model))
     if can_fuse_attention(model):

@@ -11,7 +11,7 @@
 // (narrow: to bfloat16 for a bfloat16 model, nothing for a float32 one; row_formats.h). The sum of
 // squares is taken in double, nearly exact, where ATen's mean sums float32 in its own order, so
 // 1 / rms can differ in its last bits: in float32 the elements of such a row move by a few ulps
-// (at most 5 on random rows); in bfloat16 an element whose scaled value sits on a rounding
+// (at most 3 on random rows); in bfloat16 an element whose scaled value sits on a rounding
 // boundary rounds the other way (one bfloat16 ulp, a few per 10,000). A float32 sum would drift
 // with the row's length (one accumulator per vector lane): double keeps wide rows as close.
 #include "aten_ops.h"
