@@ -19,6 +19,11 @@ import xgrammar
 
 from pagedserve.configs import StructuredOutputs
 from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.structured_outputs.spelling import (
+    describe,
+    first_unspellable,
+    vocabulary_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +56,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # guards the cache (taken on the event loop: never held long)
         self._compiler_lock = threading.Lock()  # guards the one-off TokenizerInfo build
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self._spellable = frozenset(range(256))  # the bytes some token holds, set with _compiler
         self._cache: OrderedDict[StructuredOutputs, Future[xgrammar.CompiledGrammar]] = (
             OrderedDict()
         )
@@ -90,12 +96,13 @@ class GrammarCompiler:
                 )
                 # Our LRU bounds memory; xgrammar's own cache is unbounded by default.
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._spellable = vocabulary_bytes(info.decoded_vocab)
             return self._compiler
 
     def _compile(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
         compiler = self._xgrammar_compiler()
         try:
-            return _compile_with(compiler, constraint)
+            compiled = _compile_with(compiler, constraint)
         except (RuntimeError, ValueError, TypeError) as error:
             message = _native_message(error)
             logger.debug("constraint for %s rejected: %s", constraint.param, message)
@@ -103,6 +110,28 @@ class GrammarCompiler:
                 f"invalid {_describe(constraint)} in {constraint.param}: {message}",
                 constraint.param,
             ) from None
+        self._check_spellable(constraint, compiled)
+        return compiled
+
+    def _check_spellable(
+        self, constraint: StructuredOutputs, compiled: xgrammar.CompiledGrammar
+    ) -> None:
+        """Refuse a constraint this vocabulary cannot follow: one that requires a character no
+        token can spell (it would dead-end mid-output), or whose first step allows no token."""
+        char = None
+        if constraint.kind in ("regex", "grammar"):
+            char = first_unspellable(str(constraint.spec), self._spellable)
+        elif constraint.kind == "choice":  # any choice may be started, so each must be spelled
+            char = first_unspellable("".join(constraint.spec), self._spellable, literal=True)
+        if char is not None:
+            problem = f"requires {describe(char)}, which no token of this model's vocabulary spells"
+        elif not _allows_a_first_token(compiled):
+            problem = "allows no token of this model's vocabulary as its first"
+        else:
+            return
+        raise InvalidRequestError(
+            f"the {_describe(constraint)} in {constraint.param} {problem}", constraint.param
+        )
 
 
 def _compile_with(
@@ -125,6 +154,12 @@ def _compile_with(
 def choice_grammar(choices: str | tuple[str, ...]) -> str:
     """An EBNF grammar that matches exactly one of `choices` (JSON escapes are valid EBNF ones)."""
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def _allows_a_first_token(compiled: xgrammar.CompiledGrammar) -> bool:
+    bitmask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 def _failed(future: Future[Any]) -> bool:

@@ -4,6 +4,8 @@ on the pool, failures included in no cache."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -59,3 +61,35 @@ def test_failed_compiles_are_not_cached(manager):
     with pytest.raises(InvalidRequestError, match="regex"):
         first.result()
     assert manager.compiler.submit(bad) is not first
+
+
+@pytest.mark.parametrize(
+    ("constraint", "char"),
+    [
+        (StructuredOutputs("regex", "s\U00084d45\x88", "guided_regex"), "U+84D45"),  # byte 0xF2
+        (StructuredOutputs("regex", r"ab\x04", "guided_regex"), "U+0004"),
+        (StructuredOutputs("regex", r"(a|b\u0006)c", "guided_regex"), "U+0006"),
+        (StructuredOutputs("choice", ("yes", "n\x13")), "U+0013"),
+        (StructuredOutputs("grammar", 'root ::= "a" "\\x1d"', "guided_grammar"), "U+001D"),
+    ],
+)
+def test_a_constraint_that_needs_a_character_the_vocabulary_cannot_spell_is_refused(
+    manager, constraint, char
+):
+    # SmolLM2's vocabulary holds no token with these bytes: the model could start the output,
+    # then find no token (a dead end), so the request is refused up front, naming the character.
+    with pytest.raises(InvalidRequestError, match=re.escape(f"requires {char},")) as raised:
+        manager.compile(constraint)
+    assert raised.value.param == constraint.param
+
+
+@pytest.mark.parametrize("regex", [r"[a\x04]b", "a\x04?", r"a\x04*b", r"\w+", "é😀"])
+def test_an_unspellable_character_the_output_can_avoid_is_allowed(manager, regex):
+    manager.compile(StructuredOutputs("regex", regex, "guided_regex"))
+
+
+def test_a_constraint_with_no_first_token_is_refused(manager):
+    # A class of unspellable characters: nothing is "required" by name, yet nothing can start.
+    constraint = StructuredOutputs("regex", r"[\x04\x06]", "guided_regex")
+    with pytest.raises(InvalidRequestError, match="allows no token .* as its first"):
+        manager.compile(constraint)

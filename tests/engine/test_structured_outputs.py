@@ -134,6 +134,18 @@ def test_engine_grammar_complete_before_min_tokens_stops_there(engine):
     assert run.finish_reasons["ok"] == "length"
 
 
+def test_engine_a_grammar_dead_end_ends_that_choice_with_error(engine):
+    # The pattern needs U+0004, which no token spells; JSON schemas are not scanned for it, so
+    # the model writes '"a' and then has no allowed token: that choice ends, nothing hangs.
+    schema = json.dumps({"type": "string", "pattern": "^a\\u0004$"})
+    engine.add_request("dead", [1, 2, 3], _constrained(StructuredOutputs("json", schema)))
+    engine.add_request("ok", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
+    run = run_to_completion(engine)
+    assert run.finish_reasons["dead"] == "error"
+    assert run.texts["dead"] == '"a'
+    assert run.finish_reasons["ok"] == "length"  # run_to_completion also checks for leaks
+
+
 @pytest.mark.parametrize(
     ("constraint", "fragment"),
     [
