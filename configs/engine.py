@@ -128,6 +128,15 @@ class CacheConfig(_Section):
         return value
 
 
+# The step budget the offline `LLM` uses unless given one. As vLLM-CPU (4096 offline, 2048 served),
+# offline runs favour throughput: the peers workload (64 prompts of 32-512 tokens) ran 8-10%
+# faster at 2048 than at 512 on a 2-core Zen 4, in fewer steps and without the tail of small
+# decode batches that staggered prefills leave (benchmarks/RESULTS.md, sixteenth session). The
+# server keeps 512: a burst of prompts prefilled in one 2048-token step doubled float32's TTFT p99
+# at 1 request/s there.
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 class SchedulerConfig(_Section):
     max_num_seqs: int = Field(64, ge=1, description="max requests in one step")
     max_num_batched_tokens: int = Field(

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedserve.configs import SamplingParams, load_engine_config
-from pagedserve.configs.engine import DEFAULT_MODEL
+from pagedserve.configs.engine import DEFAULT_MODEL, OFFLINE_MAX_NUM_BATCHED_TOKENS
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 
@@ -18,9 +18,11 @@ class LLM:
     """Batch generation without a server. Engine keyword arguments mirror the CLI flags
     (`block_size`, `num_kv_blocks`, `kv_cache_memory`, `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `enable_prefix_caching`, `dtype`, `device`, `attention_backend`,
-    ...)."""
+    ...). `max_num_batched_tokens` defaults to OFFLINE_MAX_NUM_BATCHED_TOKENS here, not to the
+    server's 512: a batch job wants throughput, not a short step for the next arrival."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
+        engine_args.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         config = load_engine_config(cli={"model": model, **engine_args}, environ={})
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.configs import SamplingParams
+from pagedserve.configs.engine import OFFLINE_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tests.engine.conftest import assert_matches_reference, hf_greedy_reference
@@ -45,6 +46,16 @@ def test_generate_from_a_string_matches_hf_generate(llm, default_hf_model):
     )
     reference = hf_greedy_reference(default_hf_model, output.prompt_token_ids, 8)
     assert_matches_reference(choice.token_ids, reference, "LLM.generate")
+
+
+def test_the_offline_step_budget_is_the_throughput_one_unless_given(llm, default_model_path):
+    # The server keeps SchedulerConfig's 512 (short steps for the next arrival); a batch job gets
+    # the larger budget, and an explicit one is kept.
+    assert SchedulerConfig().max_num_batched_tokens == 512
+    budget = llm.engine.config.scheduler.max_num_batched_tokens
+    assert budget == OFFLINE_MAX_NUM_BATCHED_TOKENS > 512
+    given = LLM(model=str(default_model_path), num_kv_blocks=16, max_num_batched_tokens=64)
+    assert given.engine.config.scheduler.max_num_batched_tokens == 64
 
 
 def test_generate_from_token_ids_has_no_prompt_text(llm):
