@@ -198,7 +198,7 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: SamplingPa
     engine_kwargs = {
         name: value
         for section in ENGINE_SECTIONS
-        for name, value in getattr(config, section).model_dump(exclude_defaults=True).items()
+        for name, value in getattr(config, section).model_dump(exclude_unset=True).items()
     }
     engine_kwargs.pop("model", None)
     llm = LLM(model=config.model.model, **engine_kwargs)

@@ -102,6 +102,27 @@ def test_generate_checks_its_sampling_arguments_before_loading_the_model(capsys,
     assert "max_tokens" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"), [([], None), (["--max-num-batched-tokens", "512"], 512)]
+)
+def test_generate_passes_only_the_settings_given(monkeypatch, flags, expected):
+    # A flag equal to the server's default is still the user's choice: LLM's own (offline)
+    # default must not replace it.
+    seen = {}
+
+    class StopAtLoad(Exception):
+        pass
+
+    def fake_llm(model, **engine_args):
+        seen.update(engine_args)
+        raise StopAtLoad
+
+    monkeypatch.setattr("pagedserve.engine.llm.LLM", fake_llm)
+    with pytest.raises(StopAtLoad):
+        main(["generate", "hi", *flags])
+    assert seen.get("max_num_batched_tokens") == expected
+
+
 def test_bench_rejects_unknown_benchmarks(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "nope"])
