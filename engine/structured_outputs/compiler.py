@@ -21,7 +21,8 @@ from pagedserve.configs import StructuredOutputs
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.structured_outputs.spelling import (
     describe,
-    first_unspellable,
+    unspellable_in_choices,
+    unspellable_in_pattern,
     vocabulary_bytes,
 )
 
@@ -120,9 +121,10 @@ class GrammarCompiler:
         token can spell (it would dead-end mid-output), or whose first step allows no token."""
         char = None
         if constraint.kind in ("regex", "grammar"):
-            char = first_unspellable(str(constraint.spec), self._spellable)
-        elif constraint.kind == "choice":  # any choice may be started, so each must be spelled
-            char = first_unspellable("".join(constraint.spec), self._spellable, literal=True)
+            grammar = constraint.kind == "grammar"
+            char = unspellable_in_pattern(str(constraint.spec), self._spellable, grammar=grammar)
+        elif constraint.kind == "choice":
+            char = unspellable_in_choices(constraint.spec, self._spellable)
         if char is not None:
             problem = f"requires {describe(char)}, which no token of this model's vocabulary spells"
         elif not _allows_a_first_token(compiled):

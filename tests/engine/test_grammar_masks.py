@@ -68,9 +68,14 @@ def test_failed_compiles_are_not_cached(manager):
     [
         (StructuredOutputs("regex", "s\U00084d45\x88", "guided_regex"), "U+84D45"),  # byte 0xF2
         (StructuredOutputs("regex", r"ab\x04", "guided_regex"), "U+0004"),
-        (StructuredOutputs("regex", r"(a|b\u0006)c", "guided_regex"), "U+0006"),
+        (StructuredOutputs("regex", r"(ab)+\u0006c", "guided_regex"), "U+0006"),
+        (StructuredOutputs("regex", r"[a-z]*\u{40000}", "guided_regex"), "U+40000"),
         (StructuredOutputs("choice", ("yes", "n\x13")), "U+0013"),
         (StructuredOutputs("grammar", 'root ::= "a" "\\x1d"', "guided_grammar"), "U+001D"),
+        (
+            StructuredOutputs("grammar", 'root ::= "[" x\nx ::= "\x04" "]"', "guided_grammar"),
+            "U+0004",
+        ),
     ],
 )
 def test_a_constraint_that_needs_a_character_the_vocabulary_cannot_spell_is_refused(
@@ -83,9 +88,26 @@ def test_a_constraint_that_needs_a_character_the_vocabulary_cannot_spell_is_refu
     assert raised.value.param == constraint.param
 
 
-@pytest.mark.parametrize("regex", [r"[a\x04]b", "a\x04?", r"a\x04*b", r"\w+", "é😀"])
-def test_an_unspellable_character_the_output_can_avoid_is_allowed(manager, regex):
-    manager.compile(StructuredOutputs("regex", regex, "guided_regex"))
+@pytest.mark.parametrize(
+    ("kind", "spec"),
+    [
+        ("regex", r"[a\x04]b"),  # a class: the mask never offers the missing byte
+        ("regex", "a\x04?"),
+        ("regex", r"a\x04*b"),
+        ("regex", r"a\x04{0,2}b"),
+        ("regex", r"a|b\x04"),  # alternatives and groups are left to run time
+        ("regex", r"(\x04)?b"),
+        ("regex", r"\w+\d\s[^\]]"),
+        ("regex", "é😀"),
+        ("choice", ("yes", "\x04")),  # a choice that cannot start is never taken
+        ("choice", ("ab", "a\x13", "a\x14c")),  # after "a", "b" is always open
+        ("grammar", 'root ::= "a" | "\\x04"'),
+        ("grammar", 'root ::= "a" "\\x04"?'),
+        ("grammar", 'root ::= "a" # not \\x04\n'),
+    ],
+)
+def test_an_unspellable_character_the_output_can_avoid_is_allowed(manager, kind, spec):
+    manager.compile(StructuredOutputs(kind, spec, "structured_outputs"))
 
 
 def test_a_constraint_with_no_first_token_is_refused(manager):
