@@ -34,6 +34,7 @@ from pagedserve.engine.fused_attention import can_fuse_attention, fuse_attention
 from pagedserve.engine.fused_mlp import can_fuse_mlps, fuse_mlps
 from pagedserve.engine.fused_norm import can_fuse_norms, fuse_rms_norms
 from pagedserve.engine.packed_linear import can_pack, can_pack_float32, pack_linears
+from pagedserve.engine.panel_linear import swap_in_panel_linears
 from pagedserve.engine.skinny_linear import (
     SkinnyLinear,
     can_use_skinny_linears,
@@ -225,6 +226,9 @@ def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> No
         logger.info("fused %d MLP layers", fuse_mlps(model))
     if can_fuse_attention(model):
         logger.info("fused %d attention layers", fuse_attention(model))
+    # Decode-sized batches through the panel kernel on AVX-512 builds; before packing, which then
+    # packs each swapped layer's fallback.
+    panels = swap_in_panel_linears(model, float32_linear)
     if can_pack(model):  # bfloat16 on a CPU with native bf16: oneDNN's layout, reordered once
         logger.info("packed %d bfloat16 linear layers for oneDNN", pack_linears(model))
     if can_widen_linears(model):  # bfloat16 on a CPU without native bf16: multiply in float32
@@ -236,12 +240,18 @@ def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> No
         )
     if can_fuse_norms(model):
         logger.info("fused %d RMSNorm layers", fuse_rms_norms(model))
-    # float32 (and widened bfloat16) linears: oneDNN where MKL is slow, and decode-sized batches
-    # through the skinny kernel: the LM head's, or every layer's on AVX2-only CPUs (swapped first:
-    # packing leaves swapped layers alone, and each keeps a packed copy for larger batches).
+    _swap_float32_linears(model, float32_linear, panels=panels == torch.float32)
+
+
+def _swap_float32_linears(model: torch.nn.Module, float32_linear: str, panels: bool) -> None:
+    """float32 (and widened bfloat16) linears: oneDNN where MKL is slow, and decode-sized batches
+    through the skinny kernel: the LM head's, or every layer's on AVX2-only CPUs where the panel
+    kernel does not take them (`panels`). Swapped first: packing leaves swapped layers alone, and
+    each keeps a packed copy for larger batches."""
     packed = can_pack_float32(model, float32_linear)
     if can_use_skinny_linears(model):
-        swapped = use_skinny_linears(model, packed=packed)
+        every_layer = False if panels else None
+        swapped = use_skinny_linears(model, packed=packed, every_layer=every_layer)
         if swapped:
             rows = {
                 (m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, SkinnyLinear)

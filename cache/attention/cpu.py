@@ -3,7 +3,8 @@
 The same extension carries the bfloat16 RMSNorm (csrc/rms_norm.cpp, used by engine/fused_norm.py),
 rotary embedding (csrc/rope.cpp, engine/fused_attention.py) and SiLU-and-multiply
 (csrc/silu_mul.cpp, engine/fused_mlp.py), the float32 linear for decode-sized batches
-(csrc/skinny_linear.cpp, engine/skinny_linear.py) and the K/V store (csrc/store_kv.cpp,
+(csrc/skinny_linear.cpp, engine/skinny_linear.py), the decode-batch linear of panel-packed weights
+(csrc/panel_linear.cpp, engine/panel_linear.py) and the K/V store (csrc/store_kv.cpp,
 `CpuPagedAttention.store_kv`); csrc/bindings.cpp binds them all into one Python module.
 
 The build is cached under ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``)
@@ -34,7 +35,7 @@ from pagedserve.cache.attention.torch_ref import TorchPagedAttention, to_cache_d
 logger = logging.getLogger(__name__)
 
 # One extension: the attention kernel, the fused ops of CPU models (norm, SiLU-and-mul, RoPE), the
-# float32 decode-size linear, the K/V store and greedy sampling's argmax.
+# float32 decode-size linears (skinny, panel), the K/V store and greedy sampling's argmax.
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in (
@@ -44,6 +45,7 @@ _SOURCES = tuple(
         "rope.cpp",
         "silu_mul.cpp",
         "skinny_linear.cpp",
+        "panel_linear.cpp",
         "store_kv.cpp",
         "greedy.cpp",
     )

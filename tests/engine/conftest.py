@@ -37,6 +37,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.model_loader import LoadedModel, load_model, resolve_model_path
 from pagedserve.engine.module_swap import swap_children
 from pagedserve.engine.packed_linear import PackedLinear
+from pagedserve.engine.panel_linear import PanelLinear
 from pagedserve.engine.skinny_linear import SkinnyLinear
 from pagedserve.engine.widened_linear import WidenedLinear
 from pagedserve.scheduler import SchedulerOutput
@@ -213,8 +214,8 @@ def mean_logit_errors(
 
 @contextlib.contextmanager
 def hugging_face_linears(model: torch.nn.Module) -> Iterator[None]:
-    """The model with `nn.Linear` where the loader put a `SkinnyLinear`, a float32 `PackedLinear`
-    or a `WidenedLinear` (the same weights, in the layer's own dtype), so that a reference gets
+    """The model with `nn.Linear` where the loader put a `SkinnyLinear`, a float32 `PackedLinear`,
+    a `PanelLinear` or a `WidenedLinear` (the same weights, in the layer's own dtype), so that a reference gets
     Hugging Face's linears; the loader's modules come back afterwards. (bfloat16 packed layers
     compute HF's bits already.) Fused norms, MLPs and attention stay: a reference of the default
     model runs `default_hf_model`, which has none."""
@@ -227,9 +228,19 @@ def hugging_face_linears(model: torch.nn.Module) -> Iterator[None]:
         if inner is not module
     }
 
+    # A panel layer's fallback goes (and comes back) with it.
+    inside_panels = {id(m.fallback) for m in model.modules() if isinstance(m, PanelLinear)}
+
     def to_linear(name: str, child: torch.nn.Module) -> torch.nn.Module | None:
-        if id(child) in inside_widened:
+        if id(child) in inside_widened or id(child) in inside_panels:
             return None
+        if isinstance(child, PanelLinear):  # its fallback is the layer as the loader left it
+            linear = plain_linear(child.fallback) or child.fallback
+            originals[id(linear)] = child
+            return linear
+        return plain_linear(child)
+
+    def plain_linear(child: torch.nn.Module) -> torch.nn.Module | None:
         bias = child.bias if isinstance(child, (SkinnyLinear, PackedLinear)) else None
         if isinstance(child, WidenedLinear):
             # The bf16 weight, exactly: its float32 copy rounds back to it.

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from pagedserve.cache.attention.cpu import load_cpu_kernel
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
-from pagedserve.engine import skinny_linear
+from pagedserve.engine import panel_linear, skinny_linear
 from pagedserve.engine.fused_attention import FusedAttention
 from pagedserve.engine.model_loader import load_model
 from pagedserve.engine.packed_linear import (
@@ -22,6 +23,7 @@ from pagedserve.engine.packed_linear import (
     float32_linear_backend,
     pack_linears,
 )
+from pagedserve.engine.panel_linear import PanelLinear
 from pagedserve.engine.skinny_linear import EVERY_LAYER_ROWS, PACKED_ROWS, SkinnyLinear
 from tests.engine.conftest import hugging_face_linears, make_tiny_model
 
@@ -67,12 +69,15 @@ def test_the_loader_packs_a_bfloat16_model_and_leaves_float32_alone(default_mode
     assert isinstance(bf16.lm_head, PackedLinear)
     attention = bf16.model.layers[0].self_attn
     assert isinstance(attention, FusedAttention)  # [q; k; v] fused, then packed
-    assert isinstance(attention.qkv_proj, PackedLinear)
-    assert isinstance(attention.o_proj, PackedLinear)
-    assert isinstance(bf16.model.layers[0].mlp.gate_up_proj, PackedLinear)  # fused, then packed
+
+    def packed(layer: nn.Module) -> bool:  # on AVX-512 builds, the fallback of a panel layer
+        return isinstance(layer.fallback if isinstance(layer, PanelLinear) else layer, PackedLinear)
+
+    assert packed(attention.qkv_proj) and packed(attention.o_proj)
+    assert packed(bf16.model.layers[0].mlp.gate_up_proj)  # fused, then packed
     config = ModelConfig(model=DEFAULT_MODEL, dtype="float32", cpu_float32_linear="mkl")
     fp32 = load_model(config, "cpu").model
-    assert not any(isinstance(m, PackedLinear) for m in fp32.modules())
+    assert not any(isinstance(m, (PackedLinear, PanelLinear)) for m in fp32.modules())
     assert type(fp32.model.layers[0].self_attn.qkv_proj) is nn.Linear  # fused, left on MKL
 
 
@@ -118,7 +123,7 @@ def test_packed_float32_model_stays_within_rounding_and_gives_hf_its_linears_bac
 @pytest.mark.parametrize(
     ("flags", "skinny_layers"),
     [
-        (frozenset({"avx2", "fma", "avx512f"}), "every layer"),  # Zen 4, Sapphire Rapids
+        (frozenset({"avx2", "fma", "avx512f"}), "panels"),  # an AVX-512 build: Zen 4, SPR
         (frozenset({"avx2", "fma"}), "every layer"),  # Zen 3
         (frozenset({"fma"}), "head"),  # an x86 CPU without AVX2
     ],
@@ -131,11 +136,19 @@ def test_the_loader_packs_float32_for_onednn_or_keeps_mkl_with_the_skinny_head(
         return load_model(config, "cpu").model
 
     monkeypatch.setattr(skinny_linear, "host_cpu_flags", lambda: flags)
+    # Panels go where the kernel build is AVX-512 (16 lanes): stand in for it either way.
+    on_avx512 = skinny_layers == "panels"
+    lanes = load_cpu_kernel().vector_lanes if on_avx512 else -1
+    monkeypatch.setattr(panel_linear, "PANEL_LANES", lanes)
     onednn = load("onednn")
     q_proj = onednn.model.layers[0].self_attn.qkv_proj  # [q; k; v] fused, then swapped
-    # Without AVX2: the head's 1-8 rows through the kernel, the rest packed.
-    if skinny_layers == "head":
-        assert isinstance(q_proj, PackedLinear)
+    # Without AVX2: the head's 1-8 rows through the kernel, the rest packed. With panels, every
+    # layer's 1-128 rows through the panel kernel, the head's 1-8 through the skinny one.
+    if skinny_layers in ("head", "panels"):
+        if on_avx512:
+            assert isinstance(q_proj, PanelLinear) and isinstance(q_proj.fallback, PackedLinear)
+        else:
+            assert isinstance(q_proj, PackedLinear)
         rows = PACKED_ROWS
     else:  # AVX2: every layer's 1-16 rows through the kernel, the rest packed
         assert isinstance(q_proj, SkinnyLinear) and isinstance(q_proj.fallback, PackedLinear)

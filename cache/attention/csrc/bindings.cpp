@@ -21,12 +21,17 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 int vector_lanes();
 bool bf16_dot_products();
 bool amx_tiles();
-// rms_norm.cpp, silu_mul.cpp, rope.cpp, skinny_linear.cpp, store_kv.cpp and greedy.cpp
+// rms_norm.cpp, silu_mul.cpp, rope.cpp, skinny_linear.cpp, panel_linear.cpp, store_kv.cpp and
+// greedy.cpp
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 void rope_(const at::Tensor& states, const at::Tensor& cos, const at::Tensor& sin,
            int64_t num_heads, int64_t head_dim);
 at::Tensor skinny_linear_fp32(const at::Tensor& input, const at::Tensor& weight);
+int panel_width();
+bool panel_bf16();
+at::Tensor pack_panels(const at::Tensor& weight);
+at::Tensor panel_linear(const at::Tensor& input, const at::Tensor& panels, int64_t out_features);
 void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
               at::Tensor& value_cache, const at::Tensor& slot_mapping);
 at::Tensor argmax_rows(const at::Tensor& logits);
@@ -56,6 +61,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 or bfloat16 row (rope.cpp)");
   m.def("skinny_linear_fp32", &skinny_linear_fp32, py::arg("input"), py::arg("weight"), no_gil,
         "float32 input @ weight.T for at most 16 rows, weights streamed once (skinny_linear.cpp)");
+  m.attr("panel_width") = panel_width();  // output columns per panel of pack_panels
+  m.attr("panel_bf16") = panel_bf16();    // bfloat16 panels (AVX512_BF16 builds)
+  m.def("pack_panels", &pack_panels, py::arg("weight"), no_gil,
+        "A float32 (or, with AVX512_BF16, bfloat16) [N, K] weight as panel_linear's column "
+        "panels (panel_linear.cpp)");
+  m.def("panel_linear", &panel_linear, py::arg("input"), py::arg("panels"),
+        py::arg("out_features"), no_gil,
+        "input @ weight.T from pack_panels(weight), for decode-sized batches (panel_linear.cpp)");
   m.def("store_kv", &store_kv, py::arg("key"), py::arg("value"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("slot_mapping"), no_gil,
         "Write each token's K/V rows (strided [tokens, kv_heads, head_dim], the cache's dtype) "

@@ -1,0 +1,152 @@
+"""CPU linears at decode-sized batches through the C++ panel kernel
+(cache/attention/csrc/panel_linear.cpp), larger batches through the layer as the loader packed it.
+
+A decode step multiplies one row per running request by each weight. oneDNN's packed linear,
+which the loader uses for float32 and native-bfloat16 layers, runs such batches well below its
+prefill rate; the panel kernel keeps 12 rows x 32 columns of sums in AVX-512 registers over a
+weight packed once into column panels, prefetching the next panel while it computes. The default
+model's 120 decoder linears, cold weights, two threads, a 2-core AMD EPYC Zen 4 (AVX-512 with
+AVX512_BF16), oneDNN against the kernel (benchmarks/RESULTS.md, "Seventeenth session"):
+
+| rows | bfloat16 ms | float32 ms |
+| ---: | ---: | ---: |
+| 1 | 17.3 -> 9.7 | 39.3 -> 22.7 (the skinny kernel: 19.9) |
+| 16 | 25.0 -> 16.1 | 44.9 -> 26.8 (skinny: 37.4) |
+| 64 | 66.9 -> 53.8 | 122.9 -> 94.8 |
+| 128 | 113.9 -> 112.5 | 218.8 -> 196.2 |
+
+So every decoder linear sends 1-MAX_ROWS rows to the kernel, where the host's build is AVX-512:
+the AVX2 build was level with oneDNN at 64 rows (0.98x), so AVX2 hosts keep oneDNN and the
+skinny kernel. The LM head stays as it was (at 64 rows the kernel was 0.89x oneDNN's there), and
+so do float32 models under `--cpu-float32-linear mkl`, which asks for Hugging Face's exact sums.
+
+Each swapped layer keeps its packed copy for prefill batches: the panels are a second copy of the
+weight, logged at load. Sums run in another order than oneDNN's: float32 results agree to float32
+rounding, bfloat16 ones to one bfloat16 rounding of the output (each swap is checked on a probe).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+from torch import Tensor, nn
+
+from pagedserve.engine.module_swap import cpu_kernel_or_none, swap_verified, within_float32_rounding
+from pagedserve.engine.packed_linear import can_pack, can_pack_float32
+from pagedserve.engine.widened_linear import WidenedLinear, computes_linears_in_float32
+
+logger = logging.getLogger(__name__)
+
+# The batches the kernel takes: at 128 rows it was still 1.01x (bfloat16) and 1.12x (float32)
+# oneDNN's, past that prefill sizes, where oneDNN is as fast or faster (0.92-1.02x bfloat16 at 512).
+MAX_ROWS = 128
+PANEL_LANES = 16  # the kernel is used on AVX-512 builds only (module docstring)
+
+
+class PanelLinear(nn.Module):
+    """A linear layer whose 1-`max_rows`-row batches go through the panel kernel and whose larger
+    ones go to `fallback` (the layer itself, which the loader may pack for oneDNN afterwards)."""
+
+    def __init__(self, linear: nn.Linear, kernel: ModuleType, max_rows: int = MAX_ROWS) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
+        self.max_rows = max_rows
+        # Not part of the state dict: a layout of the fallback's weight, made again at load.
+        self.register_buffer("panels", kernel.pack_panels(linear.weight.detach()), persistent=False)
+        self.fallback = linear
+        self._kernel = kernel
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.numel() // self.in_features if self.in_features else 0
+        if not 1 <= rows <= self.max_rows or x.dtype != self.dtype:
+            return self.fallback(x)
+        output = self._kernel.panel_linear(x, self.panels, self.out_features)
+        bias = getattr(self.fallback, "bias", None)
+        return output if bias is None else output + bias
+
+    def extra_repr(self) -> str:
+        return f"panels=C++ at 1-{self.max_rows} rows"
+
+
+def panel_dtype(model: nn.Module, float32_linear: str = "auto") -> torch.dtype | None:
+    """The dtype of the linears `use_panel_linears` would swap in this model, or None: float32 ones
+    where the loader packs them for oneDNN (the config's `cpu_float32_linear`), bfloat16 ones on a
+    CPU with native bf16; either only where the host's kernel build is AVX-512 (one with
+    AVX512_BF16 for bfloat16)."""
+    if computes_linears_in_float32(model):
+        dtype = torch.float32 if can_pack_float32(model, float32_linear) else None
+    else:
+        dtype = torch.bfloat16 if can_pack(model) else None
+    if dtype is None:
+        return None
+    kernel = cpu_kernel_or_none("the panel linears")
+    if kernel is None or kernel.vector_lanes != PANEL_LANES:
+        return None
+    return dtype if dtype == torch.float32 or kernel.panel_bf16 else None
+
+
+def use_panel_linears(
+    model: nn.Module, dtype: torch.dtype, kernel: ModuleType | None = None
+) -> int:
+    """Swap every `nn.Linear` of `dtype` but the LM head for a `PanelLinear` whose fallback is that
+    layer; returns how many. Call it before the layers are packed (packing then packs each
+    fallback). A layer whose kernel output is not within rounding of its own on a probe is left
+    as it is (and logged)."""
+    kernel = kernel or cpu_kernel_or_none("the panel linears")
+    if kernel is None:
+        return 0
+    head = _head_linear(model)
+
+    def panel(child: nn.Module) -> PanelLinear | None:
+        if type(child) is not nn.Linear or child is head or child.weight.dtype != dtype:
+            return None
+        return PanelLinear(child, kernel)
+
+    return swap_verified(model, panel, _within_rounding, "the panel kernel")
+
+
+def swap_in_panel_linears(model: nn.Module, float32_linear: str = "auto") -> torch.dtype | None:
+    """The loader's step: `use_panel_linears` where `panel_dtype` says it applies, logged; returns
+    the dtype of the swapped layers, or None."""
+    dtype = panel_dtype(model, float32_linear)
+    if dtype is None or not (swapped := use_panel_linears(model, dtype)):
+        return None
+    logger.info(
+        "%d %s linear layers run 1-%d rows through the panel kernel (%.0f MiB of panels)",
+        swapped,
+        str(dtype).removeprefix("torch."),
+        MAX_ROWS,
+        panel_weight_mib(model),
+    )
+    return dtype
+
+
+def panel_weight_mib(model: nn.Module) -> float:
+    """The panel copies' memory."""
+    panels = [m.panels for m in model.modules() if isinstance(m, PanelLinear)]
+    return sum(p.numel() * p.element_size() for p in panels) / 2**20
+
+
+def _head_linear(model: nn.Module) -> nn.Module | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head.inner if isinstance(head, WidenedLinear) else head
+
+
+@torch.inference_mode()
+def _within_rounding(linear: nn.Linear, panel: PanelLinear) -> bool:
+    """float32: within float32 rounding of the layer on an 8-row probe. bfloat16: within one
+    bfloat16 rounding of the layer's output, beside the float32 rounding of sums in another
+    order."""
+    if linear.weight.dtype == torch.float32:
+        return within_float32_rounding(linear, panel, rows=8)
+    probe = torch.randn(8, linear.in_features, generator=torch.Generator().manual_seed(0))
+    probe = probe.to(linear.weight.dtype)
+    expected, got = linear(probe).float(), panel(probe).float()
+    scale = probe.float().abs() @ linear.weight.float().abs().T
+    if linear.bias is not None:
+        scale = scale + linear.bias.float().abs()
+    bound = torch.finfo(torch.bfloat16).eps * expected.abs() + 1e-5 * scale + 1e-30
+    return bool(((got - expected).abs() <= bound).all())

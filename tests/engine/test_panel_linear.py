@@ -1,0 +1,168 @@
+"""The panel linear kernel: within float32 rounding of `F.linear` (bfloat16: within one rounding of
+the output) at every row count, on every ISA build the host runs, for K and N that end in a
+partial vector or panel; it refuses what it cannot compute; the module sends 1-MAX_ROWS rows to
+the kernel and the rest to its fallback; the loader's swap covers every decoder linear but the LM
+head, packing then packs the fallbacks, and references get Hugging Face's linears back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.cache.attention.cpu import host_runnable_isas, load_cpu_kernel
+from pagedserve.engine.packed_linear import PackedLinear, pack_linears
+from pagedserve.engine.panel_linear import (
+    MAX_ROWS,
+    PANEL_LANES,
+    PanelLinear,
+    panel_dtype,
+    panel_weight_mib,
+    use_panel_linears,
+)
+from tests.engine.conftest import hugging_face_linears, make_tiny_model
+
+SHAPES = [(576, 576), (193, 576), (31, 1536), (70, 37), (1, 5), (960, 1)]
+ROWS = [1, 2, 5, 11, 12, 13, 64, 128, 200]
+
+
+def assert_close_to_f_linear(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """float32: a few ulps of the summed magnitudes. bfloat16: that, plus one bfloat16 rounding
+    of the output (a sum on a rounding boundary may round the other way)."""
+    expected = F.linear(x.float(), weight.float())
+    scale = x.float().abs().reshape(-1, x.shape[-1]) @ weight.float().abs().T
+    bound = 1e-5 * scale.reshape(expected.shape) + 1e-30
+    if x.dtype == torch.bfloat16:
+        bound = bound + torch.finfo(torch.bfloat16).eps * expected.abs()
+    assert got.shape == expected.shape and got.dtype == x.dtype
+    assert ((got.float() - expected).abs() <= bound).all()
+
+
+def bf16_kernels() -> list[str]:
+    return [isa for isa in host_runnable_isas() if load_cpu_kernel(isa).panel_bf16]
+
+
+@pytest.mark.parametrize("isa", host_runnable_isas())
+@pytest.mark.parametrize("shape", SHAPES)
+def test_float32_matches_f_linear_at_every_row_count(isa, shape):
+    kernel = load_cpu_kernel(isa)
+    generator = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    weight = torch.randn(shape, generator=generator)
+    panels = kernel.pack_panels(weight)
+    assert panels.shape == (-(-shape[0] // kernel.panel_width), shape[1], kernel.panel_width)
+    for rows in ROWS:
+        x = torch.randn(rows, shape[1], generator=generator)
+        assert_close_to_f_linear(kernel.panel_linear(x, panels, shape[0]), x, weight)
+
+
+@pytest.mark.parametrize("isa", bf16_kernels() or [pytest.param(None, marks=pytest.mark.skip)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bfloat16_matches_f_linear_to_one_rounding(isa, shape):
+    kernel = load_cpu_kernel(isa)
+    generator = torch.Generator().manual_seed(shape[0] * 11 + shape[1])
+    weight = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    panels = kernel.pack_panels(weight)
+    for rows in ROWS:
+        x = torch.randn(rows, shape[1], generator=generator).to(torch.bfloat16)
+        assert_close_to_f_linear(kernel.panel_linear(x, panels, shape[0]), x, weight)
+
+
+def test_a_wrong_column_or_pair_order_would_fail():
+    """The tolerance is far tighter than what a layout mistake does."""
+    kernel = load_cpu_kernel()
+    weight = torch.randn(40, 64)
+    x = torch.randn(3, 64)
+    swapped = weight.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]  # two output columns exchanged
+    with pytest.raises(AssertionError):
+        assert_close_to_f_linear(kernel.panel_linear(x, kernel.pack_panels(swapped), 40), x, weight)
+    shifted = weight.roll(1, dims=1)  # k off by one
+    with pytest.raises(AssertionError):
+        assert_close_to_f_linear(kernel.panel_linear(x, kernel.pack_panels(shifted), 40), x, weight)
+
+
+def test_the_kernel_keeps_leading_dimensions_reads_views_and_refuses_what_it_cannot_do():
+    kernel = load_cpu_kernel()
+    weight = torch.randn(40, 64)
+    panels = kernel.pack_panels(weight)
+    x = torch.randn(1, 3, 64)
+    assert_close_to_f_linear(kernel.panel_linear(x, panels, 40), x, weight)
+    transposed = torch.randn(64, 5).T  # not contiguous
+    assert_close_to_f_linear(kernel.panel_linear(transposed, panels, 40), transposed, weight)
+    assert kernel.panel_linear(torch.randn(0, 64), panels, 40).shape == (0, 40)
+    with pytest.raises(RuntimeError, match="last dimension"):
+        kernel.panel_linear(torch.randn(2, 63), panels, 40)
+    with pytest.raises(RuntimeError, match="out_features"):
+        kernel.panel_linear(torch.randn(2, 64), panels, 40 + kernel.panel_width)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        kernel.panel_linear(torch.randn(2, 64, dtype=torch.float64), panels, 40)
+    with pytest.raises(RuntimeError, match=r"\[out_features, in_features\]"):
+        kernel.pack_panels(torch.randn(64))
+    if not kernel.panel_bf16:
+        with pytest.raises(RuntimeError, match="AVX512_BF16"):
+            kernel.pack_panels(weight.to(torch.bfloat16))
+
+
+class CountingKernel:
+    """The extension's panel kernel, recording how many rows each call got."""
+
+    def __init__(self, kernel, calls: list[int]) -> None:
+        self._kernel, self._calls = kernel, calls
+
+    def panel_linear(self, x, panels, out_features):
+        self._calls.append(x.numel() // x.shape[-1])
+        return self._kernel.panel_linear(x, panels, out_features)
+
+
+def test_the_module_sends_decode_batches_to_the_kernel_and_the_rest_to_its_fallback():
+    linear = nn.Linear(64, 48)  # with a bias, which the kernel leaves to the module
+    panel = PanelLinear(linear, load_cpu_kernel())
+    assert panel.fallback is linear and "panels" not in panel.state_dict()
+    calls: list[int] = []
+    panel._kernel = CountingKernel(panel._kernel, calls)
+    with torch.inference_mode():
+        for rows in (1, MAX_ROWS, MAX_ROWS + 1, 300):
+            x = torch.randn(rows, 64)
+            got, expected = panel(x), linear(x)
+            if rows <= MAX_ROWS:
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(got, expected)  # the fallback itself
+    assert calls == [1, MAX_ROWS]
+
+
+def test_the_swap_covers_every_linear_but_the_head_and_packing_packs_the_fallbacks(
+    default_tokenizer,
+):
+    model = make_tiny_model("llama-gqa", default_tokenizer).model
+    linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+    probe = torch.randint(0, model.config.vocab_size, (1, 24))
+    with torch.inference_mode():
+        expected_logits = model(probe).logits
+    assert use_panel_linears(model, torch.float32) == len(linears) - 1
+    assert type(model.lm_head) is nn.Linear and panel_weight_mib(model) > 0
+    assert pack_linears(model) == len(linears)  # each fallback, and the head
+    swapped = dict(model.named_modules())
+    for name in linears:
+        layer = swapped[name]
+        if name != "lm_head":
+            assert isinstance(layer, PanelLinear) and isinstance(layer.fallback, PackedLinear)
+    calls: list[int] = []
+    for layer in swapped.values():
+        if isinstance(layer, PanelLinear):
+            layer._kernel = CountingKernel(layer._kernel, calls)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(probe).logits, expected_logits, rtol=1e-4, atol=1e-4)
+    assert calls and set(calls) == {24} and len(calls) == len(linears) - 1
+    with hugging_face_linears(model):
+        assert not any(isinstance(m, (PanelLinear, PackedLinear)) for m in model.modules())
+    assert all(isinstance(swapped[name], PanelLinear) for name in linears if name != "lm_head")
+    assert use_panel_linears(model, torch.float32) == 0  # nothing plain left
+
+
+def test_which_models_get_panels(default_tokenizer):
+    model = make_tiny_model("llama-gqa", default_tokenizer).model
+    assert panel_dtype(model, "mkl") is None  # Hugging Face's exact float32 sums were asked for
+    on_avx512 = load_cpu_kernel().vector_lanes == PANEL_LANES
+    assert panel_dtype(model, "onednn") == (torch.float32 if on_avx512 else None)
