@@ -6,19 +6,23 @@ which the loader uses for float32 and native-bfloat16 layers, runs such batches 
 prefill rate; the panel kernel keeps 12 rows x 32 columns of sums in AVX-512 registers over a
 weight packed once into column panels, prefetching the next panel while it computes. The default
 model's 120 decoder linears, cold weights, two threads, a 2-core AMD EPYC Zen 4 (AVX-512 with
-AVX512_BF16), oneDNN against the kernel (benchmarks/RESULTS.md, "Seventeenth session"):
+AVX512_BF16), oneDNN against the kernel (`python -m pagedserve.benchmarks.decode_linears`;
+benchmarks/RESULTS.md, "Seventeenth session"):
 
 | rows | bfloat16 ms | float32 ms |
 | ---: | ---: | ---: |
-| 1 | 17.3 -> 9.7 | 39.3 -> 22.7 (the skinny kernel: 19.9) |
-| 16 | 25.0 -> 16.1 | 44.9 -> 26.8 (skinny: 37.4) |
-| 64 | 66.9 -> 53.8 | 122.9 -> 94.8 |
-| 128 | 113.9 -> 112.5 | 218.8 -> 196.2 |
+| 1 | 17.1 -> 10.5 | 28.3 -> 16.3 (the skinny kernel: 14.4) |
+| 16 | 21.0 -> 15.5 | 33.0 -> 28.8 (skinny: 33.7) |
+| 64 | 50.7 -> 45.3 | 100.4 -> 79.2 |
+| 128 | 89.1 -> 85.6 | 174.1 -> 152.9 |
 
 So every decoder linear sends 1-MAX_ROWS rows to the kernel, where the host's build is AVX-512:
 the AVX2 build was level with oneDNN at 64 rows (0.98x), so AVX2 hosts keep oneDNN and the
 skinny kernel. The LM head stays as it was (at 64 rows the kernel was 0.89x oneDNN's there), and
 so do float32 models under `--cpu-float32-linear mkl`, which asks for Hugging Face's exact sums.
+At one float32 row the skinny kernel is a little faster still (14.4 against 16.3 ms), but keeping
+it for every layer beside the panels would keep a third copy of each weight: panel hosts give it
+the head only.
 
 Each swapped layer keeps its packed copy for prefill batches: the panels are a second copy of the
 weight, logged at load. Sums run in another order than oneDNN's: float32 results agree to float32

@@ -4,10 +4,11 @@
 //
 // Why not oneDNN's packed linear, which the loader uses for prefill-sized batches: at the rows of a
 // decode step it runs well below its own large-batch rate. Timed over the default model's 120
-// decoder linears with cold weights (two threads, 2-core AMD EPYC Zen 4, AVX-512 with AVX512_BF16),
-// oneDNN against this kernel: bfloat16 17.3 / 25.0 / 66.9 ms at 1 / 16 / 64 rows against 9.7 /
-// 16.1 / 53.8; float32 39.3 / 44.9 / 122.9 against 22.7 / 26.8 / 94.8 (benchmarks/RESULTS.md,
-// "Seventeenth session"). The AVX2 build was level with oneDNN at 64 rows (0.98x), so the loader
+// decoder linears with cold weights (two threads, 2-core AMD EPYC Zen 4, AVX-512 with AVX512_BF16;
+// python -m pagedserve.benchmarks.decode_linears), oneDNN against this kernel: bfloat16 17.1 /
+// 21.0 / 50.7 ms at 1 / 16 / 64 rows against 10.5 / 15.5 / 45.3; float32 28.3 / 33.0 / 100.4
+// against 16.3 / 28.8 / 79.2 (benchmarks/RESULTS.md, "Seventeenth session"). The AVX2 build was
+// level with oneDNN at 64 rows (0.98x, a /tmp harness), so the loader
 // uses the kernel on AVX-512 builds only (engine/panel_linear.py).
 //
 // Layout. The weight [N, K] is cut into panels of kPanel output columns; a panel is stored
