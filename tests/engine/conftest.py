@@ -168,6 +168,16 @@ def make_tiny_model(family: str, tokenizer, seed: int = 0) -> LoadedModel:
     return LoadedModel(model, tokenizer, model.config, Path("."), TINY_MAX_MODEL_LEN)
 
 
+def tiny_linears_and_logits(tokenizer) -> tuple[torch.nn.Module, dict, torch.Tensor, torch.Tensor]:
+    """A tiny float32 Llama before any swap: the model, its `nn.Linear`s by name, a 24-token
+    probe and the probe's logits (what a swapped model must still give)."""
+    model = make_tiny_model("llama-gqa", tokenizer).model
+    linears = {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    probe = torch.randint(0, model.config.vocab_size, (1, 24))
+    with torch.inference_mode():
+        return model, linears, probe, model(probe).logits
+
+
 def make_engine(loaded: LoadedModel, **settings: object) -> LLMEngine:
     """An engine over a pre-loaded model; `settings` are flat CLI names (block_size, ...)."""
     settings.setdefault("dtype", "float32")

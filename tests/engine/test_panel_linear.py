@@ -21,7 +21,11 @@ from pagedserve.engine.panel_linear import (
     panel_weight_mib,
     use_panel_linears,
 )
-from tests.engine.conftest import hugging_face_linears, make_tiny_model
+from tests.engine.conftest import (
+    hugging_face_linears,
+    make_tiny_model,
+    tiny_linears_and_logits,
+)
 
 SHAPES = [(576, 576), (193, 576), (31, 1536), (70, 37), (1, 5), (960, 1)]
 ROWS = [1, 2, 5, 11, 12, 13, 64, 128, 200]
@@ -135,11 +139,7 @@ def test_the_module_sends_decode_batches_to_the_kernel_and_the_rest_to_its_fallb
 def test_the_swap_covers_every_linear_but_the_head_and_packing_packs_the_fallbacks(
     default_tokenizer,
 ):
-    model = make_tiny_model("llama-gqa", default_tokenizer).model
-    linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
-    probe = torch.randint(0, model.config.vocab_size, (1, 24))
-    with torch.inference_mode():
-        expected_logits = model(probe).logits
+    model, linears, probe, expected_logits = tiny_linears_and_logits(default_tokenizer)
     assert use_panel_linears(model, torch.float32) == len(linears) - 1
     assert type(model.lm_head) is nn.Linear and panel_weight_mib(model) > 0
     assert pack_linears(model) == len(linears)  # each fallback, and the head

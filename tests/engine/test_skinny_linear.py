@@ -23,7 +23,11 @@ from pagedserve.engine.skinny_linear import (
     skinny_every_layer_on,
     use_skinny_linears,
 )
-from tests.engine.conftest import hugging_face_linears, make_tiny_model
+from tests.engine.conftest import (
+    hugging_face_linears,
+    make_tiny_model,
+    tiny_linears_and_logits,
+)
 
 
 def assert_float32_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -132,11 +136,7 @@ def test_a_packed_model_sends_1_to_8_rows_to_the_kernel_and_the_rest_to_a_packed
 def test_every_layer_sends_decode_batches_to_the_kernel_and_the_rest_to_its_packed_copy(
     default_tokenizer,
 ):
-    model = make_tiny_model("llama-gqa", default_tokenizer).model
-    linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
-    probe = torch.randint(0, model.config.vocab_size, (1, 24))
-    with torch.inference_mode():
-        expected_logits = model(probe).logits
+    model, linears, probe, expected_logits = tiny_linears_and_logits(default_tokenizer)
     assert use_skinny_linears(model, packed=True, every_layer=True) == len(linears)
     assert pack_linears(model) == 0  # nothing plain left to pack
     swapped = dict(model.named_modules())
