@@ -25,8 +25,12 @@ it for every layer beside the panels would keep a third copy of each weight: pan
 the head only.
 
 Each swapped layer keeps its packed copy for prefill batches: the panels are a second copy of the
-weight, logged at load. Sums run in another order than oneDNN's: float32 results agree to float32
-rounding, bfloat16 ones to one bfloat16 rounding of the output (each swap is checked on a probe).
+weight, logged at load. bfloat16 layers with a bias are left alone (the kernel rounds its sums to
+bfloat16 before the module adds the bias, where oneDNN adds it first and rounds once: a bias that
+nearly cancels a sum would show the second rounding), and so are bfloat16 ones with an odd
+in_features (the kernel multiplies pairs of k). Sums run in another order than oneDNN's: float32
+results agree to float32 rounding, bfloat16 ones to one bfloat16 rounding of the output (each swap
+is checked on a probe).
 """
 
 from __future__ import annotations
@@ -107,6 +111,8 @@ def use_panel_linears(
     def panel(child: nn.Module) -> PanelLinear | None:
         if type(child) is not nn.Linear or child is head or child.weight.dtype != dtype:
             return None
+        if dtype == torch.bfloat16 and (child.bias is not None or child.in_features % 2):
+            return None  # module docstring
         return PanelLinear(child, kernel)
 
     return swap_verified(model, panel, _within_rounding, "the panel kernel")

@@ -12,13 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.cache.attention.cpu import host_runnable_isas, load_cpu_kernel
-from pagedserve.engine.packed_linear import PackedLinear, pack_linears
+from pagedserve.engine.packed_linear import PackedLinear, can_pack, pack_linears
 from pagedserve.engine.panel_linear import (
     MAX_ROWS,
     PANEL_LANES,
     PanelLinear,
     panel_dtype,
     panel_weight_mib,
+    swap_in_panel_linears,
     use_panel_linears,
 )
 from tests.engine.conftest import (
@@ -60,8 +61,11 @@ def test_float32_matches_f_linear_at_every_row_count(isa, shape):
         assert_close_to_f_linear(kernel.panel_linear(x, panels, shape[0]), x, weight)
 
 
-@pytest.mark.parametrize("isa", bf16_kernels() or [pytest.param(None, marks=pytest.mark.skip)])
-@pytest.mark.parametrize("shape", SHAPES)
+BF16_KERNELS = bf16_kernels() or [pytest.param(None, marks=pytest.mark.skip(reason="no BF16"))]
+
+
+@pytest.mark.parametrize("isa", BF16_KERNELS)
+@pytest.mark.parametrize("shape", [shape for shape in SHAPES if shape[1] % 2 == 0])
 def test_bfloat16_matches_f_linear_to_one_rounding(isa, shape):
     kernel = load_cpu_kernel(isa)
     generator = torch.Generator().manual_seed(shape[0] * 11 + shape[1])
@@ -72,11 +76,14 @@ def test_bfloat16_matches_f_linear_to_one_rounding(isa, shape):
         assert_close_to_f_linear(kernel.panel_linear(x, panels, shape[0]), x, weight)
 
 
-def test_a_wrong_column_or_pair_order_would_fail():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_wrong_column_or_pair_order_would_fail(dtype):
     """The tolerance is far tighter than what a layout mistake does."""
     kernel = load_cpu_kernel()
-    weight = torch.randn(40, 64)
-    x = torch.randn(3, 64)
+    if dtype == torch.bfloat16 and not kernel.panel_bf16:
+        pytest.skip("no AVX512_BF16 in this build")
+    weight = torch.randn(40, 64).to(dtype)
+    x = torch.randn(3, 64).to(dtype)
     swapped = weight.clone()
     swapped[[0, 1]] = swapped[[1, 0]]  # two output columns exchanged
     with pytest.raises(AssertionError):
@@ -103,9 +110,18 @@ def test_the_kernel_keeps_leading_dimensions_reads_views_and_refuses_what_it_can
         kernel.panel_linear(torch.randn(2, 64, dtype=torch.float64), panels, 40)
     with pytest.raises(RuntimeError, match=r"\[out_features, in_features\]"):
         kernel.pack_panels(torch.randn(64))
+    with pytest.raises(RuntimeError, match="pack_panels"):  # not a contiguous layout
+        kernel.panel_linear(x, panels.transpose(0, 1), 40)
     if not kernel.panel_bf16:
         with pytest.raises(RuntimeError, match="AVX512_BF16"):
             kernel.pack_panels(weight.to(torch.bfloat16))
+        return
+    bf16 = kernel.pack_panels(weight.to(torch.bfloat16))  # K = 64: 32 pairs
+    with pytest.raises(RuntimeError, match="even in_features"):
+        kernel.pack_panels(torch.randn(40, 63).to(torch.bfloat16))
+    for k in (63, 65):  # pairs of k: an input one short or one long is refused, not padded
+        with pytest.raises(RuntimeError, match="last dimension"):
+            kernel.panel_linear(torch.randn(2, k).to(torch.bfloat16), bf16, 40)
 
 
 class CountingKernel:
@@ -164,5 +180,22 @@ def test_the_swap_covers_every_linear_but_the_head_and_packing_packs_the_fallbac
 def test_which_models_get_panels(default_tokenizer):
     model = make_tiny_model("llama-gqa", default_tokenizer).model
     assert panel_dtype(model, "mkl") is None  # Hugging Face's exact float32 sums were asked for
-    on_avx512 = load_cpu_kernel().vector_lanes == PANEL_LANES
+    kernel = load_cpu_kernel()
+    on_avx512 = kernel.vector_lanes == PANEL_LANES
     assert panel_dtype(model, "onednn") == (torch.float32 if on_avx512 else None)
+    bf16 = model.to(torch.bfloat16)
+    native = on_avx512 and kernel.panel_bf16 and can_pack(bf16)
+    assert panel_dtype(bf16) == (torch.bfloat16 if native else None)
+    if native:  # and the loader's own step swaps them
+        assert swap_in_panel_linears(bf16) == torch.bfloat16
+        assert isinstance(bf16.model.layers[0].self_attn.q_proj, PanelLinear)
+
+
+@pytest.mark.parametrize("isa", BF16_KERNELS)
+def test_bfloat16_layers_with_a_bias_or_odd_in_features_are_left_alone(isa):
+    model = nn.Sequential(
+        nn.Linear(64, 40), nn.Linear(40, 33, bias=False), nn.Linear(33, 8, bias=False)
+    )
+    model = model.to(torch.bfloat16)
+    assert use_panel_linears(model, torch.bfloat16, load_cpu_kernel(isa)) == 1
+    assert [type(m).__name__ for m in model] == ["Linear", "PanelLinear", "Linear"]

@@ -14,8 +14,9 @@
 // Layout. The weight [N, K] is cut into panels of kPanel output columns; a panel is stored
 // k-major, so the kPanel weights that multiply x[r, k] are one contiguous run of kNV vectors:
 //   float32:  panels[p][k][j]      = W[p * kPanel + j][k]
-//   bfloat16: panels[p][k / 2][j][k % 2]   (pairs of k side by side: what vdpbf16ps multiplies)
-// Columns past N and the odd K's missing pair element are zeros.
+//   bfloat16: panels[p][k / 2][j][k % 2]   (pairs of k side by side: what vdpbf16ps multiplies;
+//             K must be even, as every model's hidden sizes are)
+// Columns past N are zeros.
 //
 // Microkernel: kMR rows of x times one panel, kMR x kNV vector accumulators in registers for the
 // whole K (AVX-512: 12 x 2 of its 32 registers). Each step loads kNV weight vectors once and
@@ -104,7 +105,7 @@ constexpr auto kPanelF32 = f32_table(std::make_integer_sequence<int, kMR>{});
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define PAGEDSERVE_PANEL_BF16 1
-// The same for bfloat16: `panel` holds pairs of k, `x` rows of even length (`pairs` pairs).
+// The same for bfloat16: `panel` holds pairs of k, `x` rows of `pairs` pairs.
 template <int ROWS>
 void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs,
                      uint16_t* out, int64_t ldo, int cols, const char* next) {
@@ -195,7 +196,8 @@ at::Tensor pack_panels(const at::Tensor& weight) {
     });
     return panels;
   }
-  const int64_t pairs = (k + 1) / 2;
+  TORCH_CHECK(k % 2 == 0, "bfloat16 panels take an even in_features (pairs of k)");
+  const int64_t pairs = k / 2;
   auto panels = at::empty({num_panels, pairs, kPanel, 2}, w.options());
   std::memset(panels.data_ptr(), 0, panels.nbytes());
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
@@ -216,13 +218,14 @@ at::Tensor panel_linear(const at::Tensor& input, const at::Tensor& panels, int64
   TORCH_CHECK(dtype == at::kFloat || (dtype == at::kBFloat16 && panel_bf16()),
               "panel_linear takes float32 rows, or bfloat16 ones on a build with AVX512_BF16");
   const bool bf16 = dtype == at::kBFloat16;
-  TORCH_CHECK(panels.dim() == (bf16 ? 4 : 3) && panels.size(2) == kPanel,
+  TORCH_CHECK(panels.dim() == (bf16 ? 4 : 3) && panels.size(2) == kPanel &&
+                  (!bf16 || panels.size(3) == 2) && panels.is_contiguous(),
               "panels must come from this build's pack_panels");
   const int64_t n = out_features, num_panels = panels.size(0);
   TORCH_CHECK(n > (num_panels - 1) * kPanel && n <= num_panels * kPanel,
               "out_features does not match the panels");
   const int64_t k = input.size(-1);
-  TORCH_CHECK(panels.size(1) == (bf16 ? (k + 1) / 2 : k),
+  TORCH_CHECK(panels.size(1) * (bf16 ? 2 : 1) == k,
               "input's last dimension must be the weight's in_features");
   auto x = input.reshape({-1, k}).contiguous();
   const int64_t m = x.size(0);
@@ -243,16 +246,6 @@ at::Tensor panel_linear(const at::Tensor& input, const at::Tensor& panels, int64
   }
 #ifdef PAGEDSERVE_PANEL_BF16
   const int64_t pairs = panels.size(1);
-  if (k % 2 != 0) {  // rows of whole pairs: the missing element is zero, as in the panels
-    auto even = at::empty({m, 2 * pairs}, x.options());
-    const auto* rows = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    auto* padded = reinterpret_cast<uint16_t*>(even.data_ptr());
-    for (int64_t r = 0; r < m; ++r) {
-      std::memcpy(padded + r * 2 * pairs, rows + r * k, k * sizeof(uint16_t));
-      padded[r * 2 * pairs + k] = 0;
-    }
-    x = even;
-  }
   const int64_t ldx = x.size(1);
   const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* weights = reinterpret_cast<const uint16_t*>(panels.data_ptr());
