@@ -108,13 +108,19 @@ def within_float32_rounding(
     linear: nn.Linear, replacement: Callable[[torch.Tensor], torch.Tensor], rows: int
 ) -> bool:
     """Whether `replacement` computes `linear` on a `rows`-row probe up to float32 rounding: its
-    sums of `in_features` products in another order, a few ulps of the summed magnitudes."""
+    sums of `in_features` products in another order, a few ulps of the summed magnitudes. For a
+    bfloat16 layer, also one bfloat16 rounding of each output (a sum on a rounding boundary may
+    round the other way)."""
     probe = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(0))
-    expected, got = linear(probe), replacement(probe)
-    scale = probe.abs() @ linear.weight.abs().T
+    probe = probe.to(linear.weight.dtype)
+    expected, got = linear(probe).float(), replacement(probe).float()
+    scale = probe.float().abs() @ linear.weight.float().abs().T
     if linear.bias is not None:
-        scale = scale + linear.bias.abs()
-    return bool(((got - expected).abs() <= 1e-5 * scale + 1e-30).all())
+        scale = scale + linear.bias.float().abs()
+    bound = 1e-5 * scale + 1e-30
+    if linear.weight.dtype == torch.bfloat16:
+        bound = bound + torch.finfo(torch.bfloat16).eps * expected.abs()
+    return bool(((got - expected).abs() <= bound).all())
 
 
 def swap_verified(
