@@ -329,13 +329,15 @@ inline vfloat transposed_sum(const vfloat* v) {
 }
 
 // `offset`: where this kv head starts in each key row (rows may span several heads).
-template <int CHUNKS>
+// `before_group()` runs before each whole group of kLanes keys (attend_item prefetches there).
+template <int CHUNKS, typename Hook>
 inline void score_row(const float* q, const float* const* keys, int64_t offset, int chunks,
-                      int num_keys, float* scores) {
+                      int num_keys, float* scores, Hook&& before_group) {
   vfloat query[CHUNKS > 0 ? CHUNKS : kMaxChunks];
   for (int c = 0; c < chunks; ++c) query[c] = load(q + c * kLanes);
   int t = 0;
   for (; t + kLanes <= num_keys; t += kLanes) {
+    before_group();
     vfloat sums[kLanes];
     for (int k = 0; k < kLanes; ++k) {
       const float* key = keys[t + k] + offset;
@@ -478,9 +480,10 @@ inline void accumulate_tile(const float* probs, const value_t* const* values, in
 // scores[t] = scale * (q . k[t]) for bfloat16 q and k by AVX512_BF16 dot products (vdpbf16ps:
 // each product of two bfloat16 values is exact in float32, pairs summed in float32), read straight
 // from the cache: no widening of K. 32 values per instruction; CHUNKS (of 16 floats) is even.
-template <int CHUNKS>
+// `before_group()` as in score_row.
+template <int CHUNKS, typename Hook>
 inline void score_row_dpbf16(const uint16_t* q, const uint16_t* const* keys, int64_t offset,
-                             int num_keys, float scale, float* scores) {
+                             int num_keys, float scale, float* scores, Hook&& before_group) {
   constexpr int kPairs = CHUNKS / 2;
   __m512bh query[kPairs];
   for (int c = 0; c < kPairs; ++c) query[c] = (__m512bh)_mm512_loadu_si512(q + c * 2 * kLanes);
@@ -494,6 +497,7 @@ inline void score_row_dpbf16(const uint16_t* q, const uint16_t* const* keys, int
   };
   int t = 0;
   for (; t + kLanes <= num_keys; t += kLanes) {
+    before_group();
     vfloat sums[kLanes];
     for (int k = 0; k < kLanes; ++k) sums[k] = dot(keys[t + k]);
     store(scores + t, transposed_sum(sums) * scale);
@@ -691,10 +695,17 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
   // Cache rows of one key tile: block = table[pos / block_size], offset = pos % block_size,
   // stepped rather than divided per key. Each tile's rows are resolved and prefetched while the
   // previous tile is computed: the block table scatters a request's history, so the hardware
-  // prefetcher cannot run ahead across blocks. Prefetched into L2, not L1, and a share before each
-  // row's scores rather than all at once: on an AMD EPYC (Zen 4) a whole tile's lines requested
+  // prefetcher cannot run ahead across blocks. Prefetched into L2, not L1, and spread over the
+  // tile's scoring rather than all at once: on an AMD EPYC (Zen 4) a whole tile's lines requested
   // into L1 in one burst stalled on L1's few miss buffers, and the decode step ran 1.5-1.7x slower
-  // than with the same requests into L2; spreading them gained another 3-18% (RESULTS.md).
+  // than with the same requests into L2. A share before each row's scores gained another 3-18%;
+  // a share before each group of kLanes keys of a row (num_rows x tile_keys / kLanes shares, ~43
+  // lines each for a float32 decode item of the default model, against ~170 per row) took a
+  // float32 64 x 384 decode step from 1.41-1.64x to 1.12-1.34x the time of a plain read of its
+  // K/V (1.40-1.51x to 1.21-1.36x at 1,024; bfloat16 0-7% faster), with the same loads: a pass
+  // that only gathers K/V through the block tables, prefetching a few keys ahead, runs at the read
+  // pass's speed, so the bursts, not the scattered blocks, had kept loads and arithmetic apart.
+  // Finer still (every 4 keys, a branch inside the score loop) was slower again.
   int64_t tile_rows[2][kKeyTile];
   int next_block_index = first_key / p.block_size, next_offset = first_key % p.block_size;
   // The item's kv heads are adjacent in a slot: one contiguous span per position.
@@ -719,6 +730,16 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
         __builtin_prefetch(key + byte, 0, 2);
         __builtin_prefetch(value + byte, 0, 2);
       }
+    }
+  };
+  // How many keys of the next tile have been requested; prefetch_share(share, shares) requests
+  // them up to share / shares of next_keys (a share may hold none, or several keys).
+  int next_requested = 0;
+  auto prefetch_share = [&](const int64_t* rows, int next_keys, int share, int shares) {
+    const int until = static_cast<int>(static_cast<int64_t>(share) * next_keys / shares);
+    if (until > next_requested) {
+      prefetch_rows(rows, next_requested, until);
+      next_requested = until;
     }
   };
   resolve_tile(first_key, tile_rows[0]);
@@ -760,8 +781,12 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
         }
       }
     }
+    // Shares of the next tile's prefetch: kLanes keys' worth of scoring each (score_row's hook).
+    const int groups = std::max(1, tile_keys / kLanes), shares = num_rows * groups;
     for (int m = row0; m < row0 + head_rows; ++m) {
-      prefetch_rows(tile_rows[tile ^ 1], m * next_keys / num_rows, (m + 1) * next_keys / num_rows);
+      int share = m * groups;
+      prefetch_share(tile_rows[tile ^ 1], next_keys, share, shares);  // what earlier rows left
+      auto before_group = [&] { prefetch_share(tile_rows[tile ^ 1], next_keys, ++share, shares); };
       float* scores = probs.data() + static_cast<size_t>(m) * kKeyTile;
       // Causal: the row at position first_position + token sees keys up to that position.
       const int row_position = first_position + item.query_begin + (m - row0) / group_size;
@@ -776,12 +801,12 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
 #ifdef PAGEDSERVE_DPBF16
       if (dpbf16_scores) {
         score_row_dpbf16<CHUNKS>(q_bf16.data() + static_cast<size_t>(m) * stride, bf16_key_rows,
-                                 key_offset, visible, p.scale, scores);
+                                 key_offset, visible, p.scale, scores, before_group);
       } else
 #endif
       {
         score_row<CHUNKS>(q.data() + static_cast<size_t>(m) * stride, key_rows, key_offset, chunks,
-                          visible, scores);
+                          visible, scores, before_group);
       }
       if (p.softcap > 0.0f) {
         for (int t = 0; t < visible; ++t) scores[t] = p.softcap * std::tanh(scores[t] / p.softcap);
@@ -823,9 +848,11 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
       handed_over = true;
     }
     if (keys_in_place || values_in_place) point_at_tile(tile, tile_keys);
+    next_requested = 0;
     for (int head = head_begin; head < head_end; ++head) {
       attend_head(head, tile, key_begin, tile_keys, next_keys);
     }
+    prefetch_share(tile_rows[tile ^ 1], next_keys, 1, 1);  // any share no row's groups reached
   }
 
   for (int m = 0; m < num_rows; ++m) {
