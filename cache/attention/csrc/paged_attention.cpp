@@ -56,6 +56,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "bfloat16_bits.h"
@@ -281,50 +282,49 @@ inline vfloat shuffle(vfloat a, vfloat b) {
 
 // The horizontal sums of kLanes vectors as one vector, in order: kLanes - 1 vector adds instead
 // of kLanes separate horizontal sums, and one store instead of kLanes. Each level adds two
-// shuffles of a pair of vectors, halving the partial sums each key has. The first two levels
-// interleave 32-bit, then 64-bit, elements inside each 128-bit lane (unpack instructions); only
-// the last ones move 128-bit lanes across the register. After level 2, 128-bit lane L of
-// quads[j] holds keys 4j..4j+3's partial sums over lane L (of every input vector); the lane folds
-// then leave key k in lane k. The previous order (halves first, 32-bit lanes last, as
-// two-source permutes) ran a 64 x 1,024 bfloat16 decode step 7-13% slower (2-core Zen 4,
-// interleaved rounds; level in float32).
-inline vfloat add_interleaved_pairs(vfloat a, vfloat b) {  // per 128 bits: (a, b, a, b)
-#if PAGEDSERVE_LANES == 16
-  return shuffle<0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29>(a, b) +
-         shuffle<2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31>(a, b);
-#else
-  return shuffle<0, 8, 1, 9, 4, 12, 5, 13>(a, b) + shuffle<2, 10, 3, 11, 6, 14, 7, 15>(a, b);
-#endif
+// shuffles of a pair of vectors (a, b), halving the partial sums each key has:
+//   level 1 (32-bit unpacks): per 128-bit lane, (a, b, a, b), each the sum of two of the lane's
+//     four partials;
+//   level 2 (64-bit unpacks): per 128-bit lane of quads[j], keys 4j .. 4j + 3, one sum each;
+//   level 3 (and 4 on AVX-512): 128-bit lanes added in pairs, a's then b's.
+// Only the last levels move data across 128-bit lanes; then key k is in lane k. The previous
+// order (halves first, single lanes last, as two-source permutes) ran a 64 x 1,024 bfloat16
+// decode step 7-13% slower (2-core Zen 4, interleaved rounds; level in float32).
+constexpr int kUnpack32 = 1, kUnpack64 = 2, kLanePairs = 3;
+// Lane i of the level's first shuffle takes element level_source(i) of (a, b) concatenated; the
+// second shuffle takes the element level_step() after it.
+template <int LEVEL>
+constexpr int level_source(int i) {
+  const int lane128 = i / 4, e = i % 4;
+  if constexpr (LEVEL == kUnpack32) return (e % 2) * kLanes + 4 * lane128 + e / 2;
+  if constexpr (LEVEL == kUnpack64) return (e / 2) * kLanes + 4 * lane128 + e % 2;
+  return (lane128 / (kLanes / 8)) * kLanes + (lane128 % (kLanes / 8)) * 8 + e;  // kLanePairs
 }
-
-inline vfloat add_interleaved_quads(vfloat x, vfloat y) {  // per 128 bits: x's 2 keys, y's 2
-#if PAGEDSERVE_LANES == 16
-  return shuffle<0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29>(x, y) +
-         shuffle<2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31>(x, y);
-#else
-  return shuffle<0, 1, 8, 9, 4, 5, 12, 13>(x, y) + shuffle<2, 3, 10, 11, 6, 7, 14, 15>(x, y);
-#endif
+template <int LEVEL>
+constexpr int level_step() {
+  return LEVEL == kLanePairs ? 4 : 2;
 }
-
-inline vfloat add_lane_pairs(vfloat p, vfloat q) {  // 128-bit lanes (0 + 1, 2 + 3) of p, then q
-#if PAGEDSERVE_LANES == 16
-  return shuffle<0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27>(p, q) +
-         shuffle<4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31>(p, q);
-#else
-  return shuffle<0, 1, 2, 3, 8, 9, 10, 11>(p, q) + shuffle<4, 5, 6, 7, 12, 13, 14, 15>(p, q);
-#endif
+template <int LEVEL, int... I>
+inline vfloat add_level(vfloat a, vfloat b, std::integer_sequence<int, I...>) {
+  return shuffle<level_source<LEVEL>(I)...>(a, b) +
+         shuffle<(level_source<LEVEL>(I) + level_step<LEVEL>())...>(a, b);
+}
+template <int LEVEL>
+inline vfloat add_level(vfloat a, vfloat b) {
+  return add_level<LEVEL>(a, b, std::make_integer_sequence<int, kLanes>{});
 }
 
 inline vfloat transposed_sum(const vfloat* v) {
   vfloat pairs[kLanes / 2], quads[kLanes / 4];
-  for (int i = 0; i < kLanes / 2; ++i) pairs[i] = add_interleaved_pairs(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < kLanes / 2; ++i) pairs[i] = add_level<kUnpack32>(v[2 * i], v[2 * i + 1]);
   for (int i = 0; i < kLanes / 4; ++i) {
-    quads[i] = add_interleaved_quads(pairs[2 * i], pairs[2 * i + 1]);
+    quads[i] = add_level<kUnpack64>(pairs[2 * i], pairs[2 * i + 1]);
   }
 #if PAGEDSERVE_LANES == 16
-  return add_lane_pairs(add_lane_pairs(quads[0], quads[1]), add_lane_pairs(quads[2], quads[3]));
+  return add_level<kLanePairs>(add_level<kLanePairs>(quads[0], quads[1]),
+                               add_level<kLanePairs>(quads[2], quads[3]));
 #else
-  return add_lane_pairs(quads[0], quads[1]);
+  return add_level<kLanePairs>(quads[0], quads[1]);
 #endif
 }
 
