@@ -77,7 +77,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--vllm-timeout", type=int, default=3600, help="seconds per vLLM run")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "peers.json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1 (got {args.rounds})")
+    return args
 
 
 def vllm_python(args: argparse.Namespace) -> Path | None:

@@ -83,6 +83,14 @@ def test_ratio_pairs_each_pagedserve_run_with_vllm_in_the_same_mode_and_dtype():
     assert rows[0]["total_tokens_per_s"] == pytest.approx(55.0)
 
 
+@pytest.mark.parametrize("rounds", ["0", "-1"])
+def test_rounds_below_one_are_refused(rounds, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        peers.parse_args(["--rounds", rounds])
+    assert exit_info.value.code == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
 def test_rounds_pair_within_a_round_and_the_summary_takes_medians():
     def row(system, dtype, seconds, round_number):
         return {
