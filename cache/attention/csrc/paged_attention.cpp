@@ -269,7 +269,6 @@ inline void key_range(const Problem<cache_t>& p, const WorkItem& item, int& firs
 template <typename cache_t>
 int resolve_first_tile(const Problem<cache_t>& p, const Task& task, int64_t* rows);
 
-// scores[t] = q . k[t] for keys [0, num_keys). A row's query chunks stay in registers.
 // __builtin_shufflevector (clang, GCC >= 12) or its GCC spelling, for older compilers.
 template <int... Lanes>
 inline vfloat shuffle(vfloat a, vfloat b) {
@@ -328,6 +327,7 @@ inline vfloat transposed_sum(const vfloat* v) {
 #endif
 }
 
+// scores[t] = q . k[t] for keys [0, num_keys). A row's query chunks stay in registers.
 // `offset`: where this kv head starts in each key row (rows may span several heads).
 // `before_group()` runs before each whole group of kLanes keys (attend_item prefetches there).
 template <int CHUNKS, typename Hook>
