@@ -79,6 +79,8 @@ def _json(param: str, value: str | dict[str, Any] | None) -> StructuredOutputs |
     if isinstance(value, str):
         try:
             parsed = json.loads(value)
+        except RecursionError:  # nested past the interpreter's limit (~1,000 levels)
+            raise invalid_request(f"{param} nests too deeply to be a JSON schema", param) from None
         except ValueError as error:
             raise invalid_request(f"{param} is not valid JSON: {error}", param) from None
         if not isinstance(parsed, (dict, bool)):

@@ -14,7 +14,7 @@ from pagedserve.configs import ServerConfig, StructuredOutputs
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
 from pagedserve.server.tool_parsers import PARSERS, ParsedCall, ToolCallParser
-from pagedserve.server.tool_parsers.hermes import HermesParser
+from pagedserve.server.tool_parsers.base import call_from_object
 from pagedserve.server.tool_protocol import (
     FunctionCall,
     FunctionCallDelta,
@@ -147,7 +147,7 @@ def template_messages(
 def _template_call(call_id: str, function: FunctionCall) -> dict[str, Any]:
     try:
         arguments: Any = json.loads(function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the interpreter's limit
         arguments = function.arguments  # left as sent
     return {
         "id": call_id,
@@ -171,14 +171,16 @@ class ForcedCallsParser:
     def finish(self) -> tuple[str, list[ParsedCall]]:
         try:
             value = json.loads(self._text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return self._text, []
         if self._named is not None:
             return "", [ParsedCall(self._named, json.dumps(value, ensure_ascii=False))]
-        parser = HermesParser()
-        blocks = "".join(f"<tool_call>{json.dumps(call)}</tool_call>" for call in value)
-        parser.feed(blocks)
-        return parser.finish()
+        # The list of calls the grammar forced, read as it is: not wrapped in tags and parsed again,
+        # where an argument holding "</tool_call>" would end its block early.
+        calls = [call_from_object(call) for call in value] if isinstance(value, list) else []
+        if not calls or any(call is None for call in calls):
+            return self._text, []
+        return "", [call for call in calls if call is not None]
 
 
 def to_tool_calls(calls: list[ParsedCall]) -> list[ToolCall]:

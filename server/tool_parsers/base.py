@@ -28,7 +28,7 @@ def call_from_object(value: Any, arguments_key: str = "arguments") -> ParsedCall
     if isinstance(arguments, str):  # some models send the arguments already encoded
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None

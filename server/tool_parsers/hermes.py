@@ -46,7 +46,7 @@ class HermesParser:
             position = match.end()
             try:
                 call = call_from_object(json.loads(match.group(1)))
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested too deeply to read
                 call = None
             if call is None:
                 content.append(match.group(0))  # malformed: left as the model wrote it

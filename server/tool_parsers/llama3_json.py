@@ -46,7 +46,7 @@ def _parse_calls(text: str) -> list[ParsedCall]:
     while position < len(text):
         try:
             value, position = decoder.raw_decode(text, position)
-        except ValueError:
+        except (ValueError, RecursionError):
             return []
         call = call_from_object(value, "parameters")
         if call is None:

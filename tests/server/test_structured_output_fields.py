@@ -53,6 +53,8 @@ BAD = [
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_json": "[1]"}, "guided_json"),
+    ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json"),  # past the interpreter's limit
+    ({"structured_outputs": {"json": "[" * 5000 + "]" * 5000}}, "structured_outputs.json"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_regex": ""}, "guided_regex"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, None),

@@ -79,3 +79,27 @@ def test_forced_calls_parser_reads_named_arguments_and_required_lists():
     assert _run(required, [text]) == ("", [ADD])
     cut = ForcedCallsParser(None)  # max_tokens cut the JSON: it stays text
     assert _run(cut, ['[{"name": "ad']) == ('[{"name": "ad', [])
+
+
+def test_forced_calls_parser_keeps_a_call_whose_argument_holds_the_closing_tag():
+    # The grammar forced a list of calls: an argument may hold any string, "</tool_call>" too.
+    text = json.dumps([{"name": "note", "arguments": {"text": "</tool_call> and <tool_call>"}}])
+    expected = ParsedCall("note", json.dumps({"text": "</tool_call> and <tool_call>"}))
+    assert _run(ForcedCallsParser(None), [text]) == ("", [expected])
+
+
+def test_forced_calls_parser_leaves_a_list_that_is_not_calls_as_text():
+    text = json.dumps([{"name": "add", "arguments": {"a": 1}}, {"no": "name"}])
+    assert _run(ForcedCallsParser(None), [text]) == (text, [])
+
+
+@pytest.mark.parametrize(
+    "parser", [HermesParser, Llama3JsonParser, lambda: ForcedCallsParser(None)]
+)
+def test_parsers_leave_json_nested_past_the_interpreters_limit_as_text(parser):
+    deep = "[" * 5000 + "]" * 5000
+    text = {
+        HermesParser: f"<tool_call>{deep}</tool_call>",
+        Llama3JsonParser: deep,
+    }.get(parser, deep)
+    assert _run(parser(), [text]) == (text, [])

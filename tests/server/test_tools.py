@@ -129,3 +129,15 @@ def test_auto_with_the_hermes_parser_returns_openai_tool_calls(client_with, engi
     [tool_call] = choice["message"]["tool_calls"]
     assert tool_call["id"].startswith("call_") and tool_call["type"] == "function"
     assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "P"}'}
+
+
+def test_earlier_call_arguments_nested_past_the_interpreters_limit_render_as_sent(
+    client, engine: FakeEngine
+):
+    engine.max_model_len = 16384  # byte tokens
+    deep = "[" * 5000 + "]" * 5000
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4})
+    assert response.status_code == 200, response.text
+    assert deep in bytes(engine.requests[0][1]).decode()
