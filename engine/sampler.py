@@ -231,7 +231,11 @@ def score_prompt_rows(
 
 
 def _filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """Softmax restricted by top-k, top-p (nucleus) and min-p."""
+    """Softmax restricted by top-k, top-p (nucleus) and min-p. The most likely token always stays:
+    every filter keeps it, so no setting can leave a row with nothing to draw."""
+    # A logit that overflowed to +inf (a repetition penalty near 0 divides, as does a temperature
+    # near GREEDY_TEMPERATURE) would turn the softmax into NaN: such tokens share the probability.
+    logits = logits.clamp(max=torch.finfo(logits.dtype).max)
     if 0 < params.top_k < logits.shape[0]:
         kth_value = logits.topk(params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth_value, float("-inf"))
@@ -240,6 +244,7 @@ def _filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
         sorted_probs, order = probs.sort(descending=True)
         # drop a token when the tokens strictly more likely already reach top_p
         drop = (sorted_probs.cumsum(0) - sorted_probs) >= params.top_p
+        drop[0] = False  # a top_p below float32's smallest subnormal rounds to 0 in the comparison
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)

@@ -87,6 +87,26 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert set(draws) == {0, 1}
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324])
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(top_p):
+    # Compared in float32, top_p rounds to 0 and every token "already reaches" it: the filter
+    # would leave nothing to draw, and an all-zero row's argmax is token 0.
+    draws = _draw_many([0.5, 2.0, 1.0], SamplingParams(temperature=1.0, top_p=top_p), 50)
+    assert set(draws) == {1}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1e-4])
+def test_a_repetition_penalty_that_overflows_a_logit_draws_among_the_boosted_tokens(temperature):
+    # 2.0 / 1e-39 overflows float32 to +inf for each seen positive logit: the softmax of a row
+    # with +inf is NaN. The overflowed tokens share the probability instead.
+    params = SamplingParams(temperature=temperature, repetition_penalty=1e-39)
+    row = _row(params, prompt=[1, 3], seed=0)
+    sampler = Sampler(seed=0)
+    logits = torch.tensor([[5.0, 2.0, 4.0, 1.0]])
+    draws = {sampler.sample(logits, [row])[0].token_id for _ in range(200)}
+    assert draws == {1, 3}
+
+
 def test_min_p_drops_tokens_below_min_p_times_the_best():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).tolist()
     draws = _draw_many(logits, SamplingParams(temperature=1.0, min_p=0.35))  # threshold 0.175
