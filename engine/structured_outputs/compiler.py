@@ -7,6 +7,7 @@ it is built on first use, so an engine that never sees a constraint never pays f
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import re
@@ -19,6 +20,7 @@ import xgrammar
 
 from pagedserve.configs import StructuredOutputs
 from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.structured_outputs.limits import COMPILE_TIMEOUT_S, check_limits
 from pagedserve.engine.structured_outputs.spelling import (
     describe,
     unspellable_in_choices,
@@ -83,8 +85,11 @@ class GrammarCompiler:
         self._xgrammar_compiler()
 
     def compile(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
-        """Blocking `submit` (the offline API)."""
-        return self.submit(constraint).result()
+        """Blocking `submit` (the offline API), waiting at most COMPILE_TIMEOUT_S."""
+        try:
+            return self.submit(constraint).result(timeout=COMPILE_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:  # the builtin only from Python 3.11
+            raise compile_timeout_error(constraint, COMPILE_TIMEOUT_S) from None
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -101,6 +106,7 @@ class GrammarCompiler:
             return self._compiler
 
     def _compile(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        check_limits(constraint, _describe(constraint))
         compiler = self._xgrammar_compiler()
         try:
             compiled = _compile_with(compiler, constraint)
@@ -162,6 +168,14 @@ def _allows_a_first_token(compiled: xgrammar.CompiledGrammar) -> bool:
     bitmask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
     xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
     return bool(bitmask.any())
+
+
+def compile_timeout_error(constraint: StructuredOutputs, timeout_s: float) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"the {_describe(constraint)} in {constraint.param} did not compile within "
+        f"{timeout_s:g} s: simplify it",
+        constraint.param,
+    )
 
 
 def _failed(future: Future[Any]) -> bool:

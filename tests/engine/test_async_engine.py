@@ -7,12 +7,13 @@ on the thread that steps it, and a load that fails fails start()."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 
 import pytest
 
-from pagedserve.configs import EngineConfig, SamplingParams
+from pagedserve.configs import EngineConfig, SamplingParams, StructuredOutputs
 from pagedserve.engine import async_engine as async_engine_module
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
@@ -172,5 +173,41 @@ def test_a_model_that_fails_to_load_fails_start_and_the_engine_reports_dead(monk
         assert not engine.is_alive
         with pytest.raises(EngineDeadError, match="failed to start"):
             await anext(engine.generate(PROMPT, SamplingParams(max_tokens=2), "after"))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("started", "error", "fragment"),
+    [
+        (True, InvalidRequestError, "did not compile within 0.05 s"),  # running: too costly
+        (False, EngineOverloadedError, "grammar compiler is busy"),  # queued behind others
+    ],
+)
+def test_a_compile_past_its_deadline_fails_the_request_and_keeps_running_for_others(
+    tiny_loaded, started, error, fragment
+):
+    compile_future: concurrent.futures.Future = concurrent.futures.Future()
+    if started:
+        compile_future.set_running_or_notify_cancel()
+
+    async def scenario() -> None:
+        engine = started_engine(tiny_loaded)
+        engine.compile_timeout_s = 0.05
+        await engine.start()
+        engine.engine.structured.compiler.submit = lambda constraint: compile_future
+        constraint = StructuredOutputs("regex", "[ab]+", "guided_regex")
+        params = SamplingParams(max_tokens=2, temperature=0, structured_outputs=constraint)
+        with pytest.raises(error, match=fragment) as raised:
+            # Bounded here too: without the deadline, the wait would never end.
+            await asyncio.wait_for(anext(engine.generate(PROMPT, params, "constrained")), 10)
+        if error is InvalidRequestError:
+            assert raised.value.param == "guided_regex"
+        # The shared compile was not cancelled with the request; the engine still serves.
+        assert not compile_future.cancelled()
+        plain = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        deltas = [delta async for delta in engine.generate(PROMPT, plain, "plain")]
+        assert deltas[-1].finished
+        await engine.shutdown()
 
     asyncio.run(scenario())

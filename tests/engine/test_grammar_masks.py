@@ -4,6 +4,7 @@ on the pool, failures included in no cache."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -115,3 +116,53 @@ def test_a_constraint_with_no_first_token_is_refused(manager):
     constraint = StructuredOutputs("regex", r"[\x04\x06]", "guided_regex")
     with pytest.raises(InvalidRequestError, match="allows no token .* as its first"):
         manager.compile(constraint)
+
+
+def _object(num_properties: int, required: int = 0) -> dict:
+    names = [f"p{i}" for i in range(num_properties)]
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string"} for name in names},
+        "required": names[:required],
+    }
+
+
+def _nested_arrays(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("schema", "problem"),
+    [
+        (_object(300), "has an object of 300 optional properties; at most 256"),
+        (
+            {"type": "object", "properties": {f"o{j}": _object(200) for j in range(6)}},
+            "has 1,206 optional properties; at most 1,024",
+        ),
+        (_object(2100, required=2100), "has 2,100 properties; at most 2,048"),
+        (_nested_arrays(200), "nests 201 levels deep; at most 128"),
+        ({"enum": ["x" * 1000] * 140}, "characters long; at most 131,072"),
+    ],
+)
+def test_a_schema_beyond_the_compile_limits_is_refused_before_compiling(manager, schema, problem):
+    # Each would hold a compile thread for seconds to minutes (engine/structured_outputs/limits.py).
+    constraint = StructuredOutputs("json", json.dumps(schema), "response_format")
+    with pytest.raises(InvalidRequestError, match=re.escape(problem)) as raised:
+        manager.compile(constraint)
+    assert raised.value.param == "response_format"
+
+
+def test_long_regexes_and_choice_lists_are_refused_too(manager):
+    with pytest.raises(InvalidRequestError, match="regex in guided_regex is 140,000 characters"):
+        manager.compile(StructuredOutputs("regex", "a" * 140_000, "guided_regex"))
+    choices = tuple(f"{i:07d}" for i in range(20_000))
+    with pytest.raises(InvalidRequestError, match="choice in guided_choice is 140,000 characters"):
+        manager.compile(StructuredOutputs("choice", choices, "guided_choice"))
+
+
+def test_schemas_at_the_limits_compile(manager):
+    for schema in (_object(256), _object(2048, required=2048 - 256), _nested_arrays(127)):
+        manager.compile(StructuredOutputs("json", json.dumps(schema), "response_format"))

@@ -1,0 +1,82 @@
+"""How much one constraint may ask of the grammar compiler.
+
+xgrammar compiles in native code that cannot be interrupted, on a pool of two threads, and its time
+grows steeply with some shapes of JSON schema. Measured with SmolLM2's 49k-token vocabulary on a
+2-core AMD EPYC (Zen 4): one object's optional properties (not in "required"), 400 -> 0.2 s and
+800 -> 1.0 s; five sibling objects of 256 optional properties each 0.75 s, twenty of them 41 s;
+arrays nested 200 deep 0.37 s, 400 deep 2.9 s. One request could hold a pool thread for minutes
+while every constrained request behind it waited. These limits refuse such constraints up front,
+with a 400 that names what to shrink; within them the slowest shapes measured compiled in under a
+second (required properties are cheap: 3,200 in one object 0.6 s). `COMPILE_TIMEOUT_S` is the
+backstop for whatever slips through: the request fails, and the thread finishes in the background.
+
+A subprocess that could be killed at the deadline was measured and not taken: the compiled grammar
+has to come back serialized (200 optional properties: a 0.07 s compile, a 13.6 MB JSON that took
+0.63 s to write and 0.23 s to read), and the child holds its own ~570 MB (xgrammar imports torch).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pagedserve.configs import StructuredOutputs
+from pagedserve.engine.errors import InvalidRequestError
+
+MAX_SPEC_CHARS = 128 * 1024  # a schema, regex or grammar's text; a choice list's in all
+MAX_SCHEMA_DEPTH = 128  # nesting of the schema document (an object schema in an object: 2 levels)
+MAX_PROPERTIES = 2048  # in the whole schema
+MAX_OPTIONAL_PROPERTIES = 1024  # in the whole schema
+MAX_OPTIONAL_PER_OBJECT = 256
+COMPILE_TIMEOUT_S = 30.0  # a request waits at most this long for its compile
+
+
+def check_limits(constraint: StructuredOutputs, what: str) -> None:
+    """Raise InvalidRequestError (naming `constraint.param`) if the constraint is beyond a limit.
+    `what` names the constraint in the message ("JSON schema", "regex"...)."""
+    spec = constraint.spec
+    size = len(spec) if isinstance(spec, str) else sum(len(choice) for choice in spec)
+    found = [(size, MAX_SPEC_CHARS, "is {:,} characters long")]
+    if constraint.kind == "json":
+        try:
+            schema = json.loads(spec)
+        except (ValueError, RecursionError):
+            schema = None  # not JSON: the compiler's own error names what is wrong
+        depth, properties, optional, widest = _schema_shape(schema)
+        found += [
+            (depth, MAX_SCHEMA_DEPTH, "nests {} levels deep"),
+            (properties, MAX_PROPERTIES, "has {:,} properties"),
+            (widest, MAX_OPTIONAL_PER_OBJECT, "has an object of {:,} optional properties"),
+            (optional, MAX_OPTIONAL_PROPERTIES, "has {:,} optional properties"),
+        ]
+    for value, limit, problem in found:
+        if value > limit:
+            raise InvalidRequestError(
+                f"the {what} in {constraint.param} {problem.format(value)}; at most {limit:,} are "
+                "compiled (xgrammar's compile time grows steeply beyond them): simplify it",
+                constraint.param,
+            )
+
+
+def _schema_shape(schema: Any) -> tuple[int, int, int, int]:
+    """(nesting depth, properties, optional properties, most optional properties of one object),
+    walked without recursion: the document may nest as deep as json.loads allows."""
+    depth = properties = optional = widest = 0
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (dict, list)):
+            depth = max(depth, level)  # of objects and arrays, as json.loads nests them
+        if isinstance(node, dict):
+            declared = node.get("properties")
+            if isinstance(declared, dict):
+                required = node.get("required")
+                listed = required if isinstance(required, list) else []
+                unlisted = len(set(declared) - {name for name in listed if isinstance(name, str)})
+                properties += len(declared)
+                optional += unlisted
+                widest = max(widest, unlisted)
+            stack.extend((value, level + 1) for value in node.values())
+        elif isinstance(node, list):
+            stack.extend((value, level + 1) for value in node)
+    return depth, properties, optional, widest
