@@ -96,7 +96,9 @@ def _parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
     kind = schema.get("type", "object")
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise invalid_request("a tool's parameters must be a JSON Schema of an object", "tools")
-    return schema
+    # A call's arguments are an object: forced, a schema of ["object", "number"] (or of no type)
+    # would let the model write a number, which no parser reads as a call.
+    return {**schema, "type": "object"}
 
 
 def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:

@@ -141,3 +141,20 @@ def test_earlier_call_arguments_nested_past_the_interpreters_limit_render_as_sen
     response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4})
     assert response.status_code == 200, response.text
     assert deep in bytes(engine.requests[0][1]).decode()
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": ["object", "number"], "properties": {"x": {"type": "string"}}},
+        {"properties": {"x": {"type": "string"}}},  # no type: any JSON value, unforced
+    ],
+)
+def test_forced_arguments_are_an_object_whatever_else_the_schema_allows(
+    client, engine: FakeEngine, parameters
+):
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    choice = {"type": "function", "function": {"name": "f"}}
+    assert _chat(client, tools=[tool], tool_choice=choice).status_code == 200
+    [(_, _, params)] = engine.requests
+    assert json.loads(params.structured_outputs.spec) == {**parameters, "type": "object"}
