@@ -20,7 +20,12 @@ import xgrammar
 
 from pagedserve.configs import StructuredOutputs
 from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.engine.structured_outputs.limits import COMPILE_TIMEOUT_S, check_limits
+from pagedserve.engine.structured_outputs.limits import (
+    COMPILE_TIMEOUT_S,
+    check_limits,
+    parsed_schema,
+)
+from pagedserve.engine.structured_outputs.schema_support import unenforced_keyword
 from pagedserve.engine.structured_outputs.spelling import (
     describe,
     unspellable_in_choices,
@@ -106,7 +111,15 @@ class GrammarCompiler:
             return self._compiler
 
     def _compile(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
-        check_limits(constraint, _describe(constraint))
+        schema = parsed_schema(constraint)
+        check_limits(constraint, _describe(constraint), schema)
+        reason = unenforced_keyword(schema)
+        if reason is not None:
+            raise InvalidRequestError(
+                f"the JSON schema in {constraint.param} uses {reason}, which the structured-output "
+                "compiler (xgrammar) does not enforce: the output could break the schema",
+                constraint.param,
+            )
         compiler = self._xgrammar_compiler()
         try:
             compiled = _compile_with(compiler, constraint)

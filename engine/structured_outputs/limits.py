@@ -31,17 +31,25 @@ MAX_OPTIONAL_PER_OBJECT = 256
 COMPILE_TIMEOUT_S = 30.0  # a request waits at most this long for its compile
 
 
-def check_limits(constraint: StructuredOutputs, what: str) -> None:
+def parsed_schema(constraint: StructuredOutputs) -> Any:
+    """A "json" constraint's schema as Python values; None for other kinds, or text that is not
+    JSON (the compiler's own error then names what is wrong)."""
+    if constraint.kind != "json":
+        return None
+    try:
+        return json.loads(constraint.spec)
+    except (ValueError, RecursionError):
+        return None
+
+
+def check_limits(constraint: StructuredOutputs, what: str, schema: Any) -> None:
     """Raise InvalidRequestError (naming `constraint.param`) if the constraint is beyond a limit.
-    `what` names the constraint in the message ("JSON schema", "regex"...)."""
+    `what` names the constraint in the message ("JSON schema", "regex"...); `schema` is
+    `parsed_schema(constraint)`."""
     spec = constraint.spec
     size = len(spec) if isinstance(spec, str) else sum(len(choice) for choice in spec)
     found = [(size, MAX_SPEC_CHARS, "is {:,} characters long")]
-    if constraint.kind == "json":
-        try:
-            schema = json.loads(spec)
-        except (ValueError, RecursionError):
-            schema = None  # not JSON: the compiler's own error names what is wrong
+    if schema is not None:
         depth, properties, optional, widest = _schema_shape(schema)
         found += [
             (depth, MAX_SCHEMA_DEPTH, "nests {} levels deep"),

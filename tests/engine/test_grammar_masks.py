@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+import xgrammar
 
 from pagedserve.configs import StructuredOutputs
 from pagedserve.engine.errors import InvalidRequestError
@@ -166,3 +167,75 @@ def test_long_regexes_and_choice_lists_are_refused_too(manager):
 def test_schemas_at_the_limits_compile(manager):
     for schema in (_object(256), _object(2048, required=2048 - 256), _nested_arrays(127)):
         manager.compile(StructuredOutputs("json", json.dumps(schema), "response_format"))
+
+
+# Schemas using a keyword xgrammar 0.2 compiles without enforcing, each with a value that breaks
+# the schema and that xgrammar's own matcher still accepts (compact JSON, xgrammar's separators).
+UNENFORCED = [
+    ({"type": "integer", "not": {"const": 3}}, "3", "'not'"),
+    ({"allOf": [{"type": "integer", "minimum": 5}, {"maximum": 3}]}, "4", "'allOf' of more"),
+    (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+            "if": {"properties": {"a": {"const": 1}}},
+            "then": {"required": ["b"]},
+        },
+        '{"a": 1}',
+        "'if' / 'then' / 'else'",
+    ),
+    (
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+        "[1, 1]",
+        "'uniqueItems'",
+    ),
+    (
+        {"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}},
+        "[1]",
+        "'contains'",
+    ),
+    (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependentRequired": {"a": ["b"]},
+        },
+        '{"a": 1}',
+        "'dependentRequired'",
+    ),
+    ({"$ref": "https://example.com/integer.json"}, '"not fetched"', "a '$ref' outside"),
+]
+
+
+@pytest.mark.parametrize(("schema", "breaking", "keyword"), UNENFORCED)
+def test_xgrammar_still_compiles_these_keywords_without_enforcing_them(
+    manager, default_tokenizer, schema, breaking, keyword
+):
+    # The reason for the refusal below; fails once an xgrammar upgrade enforces the keyword.
+    compiled = manager.compiler._xgrammar_compiler().compile_json_schema(
+        json.dumps(schema), any_whitespace=False, strict_mode=True
+    )
+    matcher = xgrammar.GrammarMatcher(compiled)
+    assert matcher.accept_string(breaking) and matcher.accept_token(default_tokenizer.eos_token_id)
+
+
+@pytest.mark.parametrize(("schema", "breaking", "keyword"), UNENFORCED)
+def test_a_schema_the_compiler_would_not_enforce_is_refused_naming_the_keyword(
+    manager, schema, breaking, keyword
+):
+    nested = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+    for spec in (schema, nested):
+        constraint = StructuredOutputs("json", json.dumps(spec), "guided_json")
+        with pytest.raises(InvalidRequestError, match=re.escape(keyword)) as raised:
+            manager.compile(constraint)
+        assert raised.value.param == "guided_json"
+
+
+def test_keywords_the_compiler_enforces_pass_even_under_those_names(manager):
+    schema = {
+        "$defs": {"n": {"type": "integer"}},
+        "type": "object",
+        "properties": {"not": {"allOf": [{"$ref": "#/$defs/n"}]}, "if": {"type": "string"}},
+        "required": ["not", "if"],
+    }
+    manager.compile(StructuredOutputs("json", json.dumps(schema), "guided_json"))
