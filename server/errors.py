@@ -172,7 +172,11 @@ def install_exception_handlers(app: FastAPI) -> None:
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         request_id = getattr(request.state, "request_id", "-")
         logger.exception("request %s failed with an unexpected error", request_id)
-        return to_api_error(exc).response()
+        response = to_api_error(exc).response()
+        # Starlette re-raises the error after this response and uvicorn then drops the connection:
+        # a keep-alive client must not send its next request on it.
+        response.headers["connection"] = "close"
+        return response
 
     for known in (
         APIError,

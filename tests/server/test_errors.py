@@ -132,6 +132,7 @@ def test_unexpected_error_is_a_500_without_traceback(client, engine):
     assert response.status_code == 500
     assert response.json()["error"]["code"] == "internal_error"
     assert "secret" not in response.text and "Traceback" not in response.text
+    assert response.headers["connection"] == "close"  # the server drops it after this reply
 
 
 @pytest.mark.parametrize(
