@@ -29,8 +29,6 @@ from pagedserve.engine.inputs import ValidatedRequest
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import EngineStats, RequestDelta
 from pagedserve.engine.state import EngineState, RawEngineState, build_engine_state, take_raw_state
-from pagedserve.engine.structured_outputs.compiler import compile_timeout_error
-from pagedserve.engine.structured_outputs.limits import COMPILE_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +57,6 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._dead_reason: str | None = None
         self._pending_states: set[asyncio.Future[RawEngineState]] = set()
-        self.compile_timeout_s = COMPILE_TIMEOUT_S  # how long a request waits for its grammar
 
     # ---- EngineClient surface --------------------------------------------------------------
 
@@ -142,26 +139,11 @@ class AsyncEngine:
                 self._commands.put(("close", request_id))
 
     async def _compiled(self, validated: ValidatedRequest) -> ValidatedRequest:
-        """Compile the constraint on the grammar pool (cached by constraint): neither the event
-        loop nor the engine thread waits for it. A malformed one raises here, nothing queued.
-
-        The wait ends after `compile_timeout_s`: a 400 if the compile is running (the constraint
-        is too costly; its thread finishes in the background), a 429 if it is still queued behind
-        others. The compile is shielded from this request's cancellation (a client gone, or the
-        timeout): the cached future may serve other requests with the same constraint."""
+        """Compile the constraint on the grammar pool (cached; neither the loop nor the engine
+        thread waits): a malformed one, or one past its deadline, raises here, nothing queued."""
         constraint = validated.params.structured_outputs
         assert constraint is not None
-        future = self._engine.structured.compiler.submit(constraint)
-        waiting = asyncio.wrap_future(future)
-        waiting.add_done_callback(_retrieve)
-        try:
-            grammar = await asyncio.wait_for(asyncio.shield(waiting), self.compile_timeout_s)
-        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-            if future.running():
-                raise compile_timeout_error(constraint, self.compile_timeout_s) from None
-            raise EngineOverloadedError(
-                "the grammar compiler is busy with other constraints; retry later"
-            ) from None
+        grammar = await self._engine.structured.compiler.compiled(constraint)
         if not self.is_alive or self._stopping.is_set():
             raise EngineDeadError(self._dead_reason or "the engine is not running")
         return dataclasses.replace(validated, grammar=grammar)
@@ -298,13 +280,6 @@ class AsyncEngine:
             stream.put_nowait(error)
         for future in self._pending_states:
             _settle(future, error)
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """Mark a shielded compile's outcome as seen: its request may have stopped waiting, and asyncio
-    would log an exception nobody retrieved."""
-    if not future.cancelled():
-        future.exception()
 
 
 def _drain(items: Any) -> list[Any]:

@@ -7,6 +7,7 @@ it is built on first use, so an engine that never sees a constraint never pays f
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import logging
@@ -19,7 +20,7 @@ from typing import Any
 import xgrammar
 
 from pagedserve.configs import StructuredOutputs
-from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from pagedserve.engine.structured_outputs.limits import (
     COMPILE_TIMEOUT_S,
     check_limits,
@@ -60,6 +61,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size  # the logits' width: ids beyond the tokenizer stay masked
         self._stop_token_ids = list(stop_token_ids)
         self._max_cached = max_cached
+        self.timeout_s = COMPILE_TIMEOUT_S  # how long a request waits for its compile
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="pagedserve-grammar")
         self._lock = threading.Lock()  # guards the cache (taken on the event loop: never held long)
         self._compiler_lock = threading.Lock()  # guards the one-off TokenizerInfo build
@@ -89,12 +91,29 @@ class GrammarCompiler:
         once ("Already borrowed"): a server calls this before it tokenizes any request."""
         self._xgrammar_compiler()
 
-    def compile(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
-        """Blocking `submit` (the offline API), waiting at most COMPILE_TIMEOUT_S."""
+    async def compiled(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        """`submit`, awaited for at most `timeout_s`: then a 400 if the compile is running (too
+        costly a constraint; its thread finishes in the background), a 429 if still queued behind
+        others. Shielded from the waiter's cancellation (a client gone, or the timeout): the cached
+        future may serve other requests with the same constraint."""
+        future = self.submit(constraint)
+        waiting = asyncio.wrap_future(future)
+        waiting.add_done_callback(_retrieve)
         try:
-            return self.submit(constraint).result(timeout=COMPILE_TIMEOUT_S)
+            return await asyncio.wait_for(asyncio.shield(waiting), self.timeout_s)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            if future.running():
+                raise compile_timeout_error(constraint, self.timeout_s) from None
+            raise EngineOverloadedError(
+                "the grammar compiler is busy with other constraints; retry later"
+            ) from None
+
+    def compile(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        """Blocking `submit` (the offline API), waiting at most `timeout_s`."""
+        try:
+            return self.submit(constraint).result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:  # the builtin only from Python 3.11
-            raise compile_timeout_error(constraint, COMPILE_TIMEOUT_S) from None
+            raise compile_timeout_error(constraint, self.timeout_s) from None
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -181,6 +200,13 @@ def _allows_a_first_token(compiled: xgrammar.CompiledGrammar) -> bool:
     bitmask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
     xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
     return bool(bitmask.any())
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a shielded compile's outcome as seen: its waiter may be gone, and asyncio would log an
+    exception nobody retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def compile_timeout_error(constraint: StructuredOutputs, timeout_s: float) -> InvalidRequestError:

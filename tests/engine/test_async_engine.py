@@ -193,8 +193,8 @@ def test_a_compile_past_its_deadline_fails_the_request_and_keeps_running_for_oth
 
     async def scenario() -> None:
         engine = started_engine(tiny_loaded)
-        engine.compile_timeout_s = 0.05
         await engine.start()
+        engine.engine.structured.compiler.timeout_s = 0.05
         engine.engine.structured.compiler.submit = lambda constraint: compile_future
         constraint = StructuredOutputs("regex", "[ab]+", "guided_regex")
         params = SamplingParams(max_tokens=2, temperature=0, structured_outputs=constraint)
