@@ -29,11 +29,7 @@ from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats, RequestDelta
 from pagedserve.engine.rejection_sampler import RejectionSampler
 from pagedserve.engine.sampler import SampledBatch, Sampler, SamplingRow
-from pagedserve.engine.structured_outputs import (
-    GrammarRejectedError,
-    Matcher,
-    StructuredOutputManager,
-)
+from pagedserve.engine.structured_outputs import Matcher, StructuredOutputManager
 from pagedserve.scheduler import (
     Request,
     Scheduler,
@@ -226,13 +222,12 @@ class LLMEngine:
             rows, self.outputs.matchers(rows), strict=True
         ):  # grammars follow their tokens
             token_id = sampled.token_ids.get(row.sequence_id)
-            if (
-                matcher is not None
-                and token_id is not None
-                and not self.structured.advance(matcher, token_id)  # no token was allowed
-            ):
+            if matcher is None or token_id is None:
+                continue
+            error = self.structured.follow(matcher, token_id)
+            if error is not None:  # no token was allowed, or masking took too long
                 del sampled.token_ids[row.sequence_id], sampled.logprobs[row.sequence_id]
-                sampled.errors[row.sequence_id] = GrammarRejectedError()
+                sampled.errors[row.sequence_id] = error
         return sampled
 
     # ---- observability ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.outputs import RequestDelta, RequestTimings, TokenLogprob
 from pagedserve.engine.prompt_logprobs import PromptEntries, PromptLogprobs
 from pagedserve.engine.sampler import SamplingRow
-from pagedserve.engine.structured_outputs import GrammarRejectedError, Matcher
+from pagedserve.engine.structured_outputs import GrammarError, Matcher
 from pagedserve.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ class OutputProcessor:
             logger.error("sequence %s failed: %r", sequence_id, error)
             message = (
                 str(error)
-                if isinstance(error, GrammarRejectedError)
+                if isinstance(error, GrammarError)
                 else f"internal error: {type(error).__name__}"
             )
             deltas += self._finish([sequence_id], RequestStatus.FINISHED_ERROR, message)

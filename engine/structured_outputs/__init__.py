@@ -3,9 +3,16 @@ mask the logits of constrained rows before sampling, advance each choice's match
 
 from pagedserve.engine.structured_outputs.compiler import GrammarCompiler
 from pagedserve.engine.structured_outputs.manager import (
+    GrammarError,
     GrammarRejectedError,
     Matcher,
     StructuredOutputManager,
 )
 
-__all__ = ["GrammarCompiler", "GrammarRejectedError", "Matcher", "StructuredOutputManager"]
+__all__ = [
+    "GrammarCompiler",
+    "GrammarError",
+    "GrammarRejectedError",
+    "Matcher",
+    "StructuredOutputManager",
+]

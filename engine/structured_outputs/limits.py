@@ -29,6 +29,13 @@ MAX_PROPERTIES = 2048  # in the whole schema
 MAX_OPTIONAL_PROPERTIES = 1024  # in the whole schema
 MAX_OPTIONAL_PER_OBJECT = 256
 COMPILE_TIMEOUT_S = 30.0  # a request waits at most this long for its compile
+# Masks are filled on the engine thread, and the whole batch waits for them. A grammar that is
+# short and compiles fast can still make that cost grow with every token: xgrammar's Earley
+# parser over `s ::= s s s s | s s s | s s | [a-z ] | ""` took 30 ms, then 60, 150, 310, 660,
+# 1,090 ms a step by the 15th token, and an unconstrained neighbour's tokens slowed from 30 ms to
+# the same. JSON schemas, regexes and choices fill in 0.4-11 ms a row. A choice whose fill takes
+# longer ends with "error" after that step.
+MAX_MASK_FILL_S = 0.1
 
 
 def parsed_schema(constraint: StructuredOutputs) -> Any:

@@ -15,15 +15,31 @@ from torch import Tensor
 
 from pagedserve.configs import StructuredOutputs
 from pagedserve.engine.structured_outputs.compiler import GrammarCompiler
+from pagedserve.engine.structured_outputs.limits import MAX_MASK_FILL_S
 
 Matcher = xgrammar.GrammarMatcher
 
 
-class GrammarRejectedError(Exception):
+class GrammarError(Exception):
+    """A constrained choice cannot go on (it ends with "error"); the message is the client's."""
+
+
+class GrammarRejectedError(GrammarError):
     """The grammar allows no token here (the sampled one was drawn from an all -inf row)."""
 
     def __init__(self) -> None:
         super().__init__("structured output: the grammar allows no further token")
+
+
+class GrammarTooSlowError(GrammarError):
+    """Masking one step of this choice took longer than MAX_MASK_FILL_S."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(
+            f"structured output: the grammar took {seconds * 1e3:.1f} ms to mask one token (at "
+            f"most {MAX_MASK_FILL_S * 1e3:.0f} ms: every request in the batch waits for it); "
+            "simplify it"
+        )
 
 
 class StructuredOutputManager:
@@ -39,6 +55,7 @@ class StructuredOutputManager:
         self._bitmask: Tensor | None = None  # [rows, ceil(vocab_size / 32)] int32, grown on demand
         self.num_constrained_requests = 0
         self.mask_times_s: deque[float] = deque(maxlen=100_000)  # per step with a constrained row
+        self._slow_fills: dict[int, float] = {}  # id(matcher) -> seconds, this step's over-limit
 
     def new_matchers(self, grammar: xgrammar.CompiledGrammar, num_choices: int) -> list[Matcher]:
         """One matcher per choice (each advances by its own tokens)."""
@@ -63,13 +80,18 @@ class StructuredOutputManager:
                 f"logits have {logits.shape[-1]} columns but the grammar masks {self.vocab_size}"
             )
         bitmask = self._bitmask_rows(len(matchers))
+        self._slow_fills.clear()
         for index in rows:
             matcher = matchers[index]
             assert matcher is not None
             if matcher.is_terminated():  # finished choices are never scheduled; stay safe
                 bitmask[index].zero_()
-            else:
-                matcher.fill_next_token_bitmask(bitmask, index)
+                continue
+            fill_start = time.perf_counter()
+            matcher.fill_next_token_bitmask(bitmask, index)
+            seconds = time.perf_counter() - fill_start
+            if seconds > MAX_MASK_FILL_S:  # `follow` ends this choice after this step's sample
+                self._slow_fills[id(matcher)] = seconds
         xgrammar.apply_token_bitmask_inplace(
             logits, bitmask.to(logits.device, non_blocking=True), indices=rows
         )
@@ -79,6 +101,14 @@ class StructuredOutputManager:
     def advance(matcher: Matcher, token_id: int) -> bool:
         """Feed the sampled token; False if the grammar rejects it (the choice must end)."""
         return bool(matcher.accept_token(token_id))
+
+    def follow(self, matcher: Matcher, token_id: int) -> GrammarError | None:
+        """After sampling: why this choice must end (its mask was too slow this step, or the
+        grammar rejects the token), else None with the matcher advanced by the token."""
+        seconds = self._slow_fills.get(id(matcher))
+        if seconds is not None:
+            return GrammarTooSlowError(seconds)
+        return None if self.advance(matcher, token_id) else GrammarRejectedError()
 
     @staticmethod
     def is_complete(matcher: Matcher) -> bool:

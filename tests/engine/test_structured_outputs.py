@@ -13,6 +13,7 @@ import pytest
 
 from pagedserve.configs import SamplingParams, StructuredOutputs
 from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.structured_outputs import manager as manager_module
 from tests.engine.conftest import make_engine, run_to_completion
 
 PERSON_SCHEMA = {
@@ -144,6 +145,26 @@ def test_engine_a_grammar_dead_end_ends_that_choice_with_error(engine):
     assert run.finish_reasons["dead"] == "error"
     assert run.texts["dead"] == '"a'
     assert run.finish_reasons["ok"] == "length"  # run_to_completion also checks for leaks
+
+
+def test_engine_a_grammar_too_slow_to_mask_ends_that_choice_and_spares_the_batch(
+    engine, monkeypatch
+):
+    # An ambiguous grammar can make each step's mask cost more than the last (limits.py); the
+    # choice whose fill passes MAX_MASK_FILL_S ends with "error" after that step. Set to 0 here,
+    # so the first fill passes it.
+    monkeypatch.setattr(manager_module, "MAX_MASK_FILL_S", 0.0)
+    grammar = 'root ::= s\ns ::= s s s | s s | [a-z ] | ""'
+    constraint = StructuredOutputs("grammar", grammar, "guided_grammar")
+    engine.add_request("slow", [1, 2, 3], _constrained(constraint, max_tokens=8))
+    engine.add_request("ok", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({delta.request_id: delta for delta in engine.step() if delta.finished})
+    assert finals["slow"].finish_reason == "error" and finals["slow"].num_output_tokens == 0
+    assert "to mask one token (at most 0 ms" in finals["slow"].error
+    assert finals["ok"].finish_reason == "length" and finals["ok"].num_output_tokens == 4
+    assert engine.block_manager.pool.num_free_blocks == engine.block_manager.pool.num_blocks
 
 
 @pytest.mark.parametrize(
