@@ -19,6 +19,7 @@ from pagedserve.cache.attention import get_attention_backend
 from pagedserve.cache.block_manager import BlockManager
 from pagedserve.cache.cache_engine import CacheEngine
 from pagedserve.configs import EngineConfig, SamplingParams
+from pagedserve.engine.cpu_threads import fit_threads_to_cpus
 from pagedserve.engine.heap_retention import retain_freed_heap_memory
 from pagedserve.engine.inputs import RequestValidator, ValidatedRequest
 from pagedserve.engine.memory import kv_cache_num_blocks, make_cache_spec, resolve_device
@@ -40,11 +41,12 @@ logger = logging.getLogger(__name__)
 
 
 def _prepare_cpu_host(device: torch.device) -> ModuleType | None:
-    """On the CPU: freed activation memory kept in the process (before the first forward pass
-    allocates anything), and the C++ extension, whose argmax greedy rows take (engine/sampler.py).
-    Elsewhere None."""
+    """On the CPU: threads capped at the CPUs this process may use (engine/cpu_threads.py), freed
+    activation memory kept in the process (before the first forward pass allocates anything),
+    and the C++ extension, whose argmax greedy rows take (engine/sampler.py). Elsewhere None."""
     if device.type != "cpu":
         return None
+    fit_threads_to_cpus()
     retain_freed_heap_memory()
     return cpu_kernel_or_none("greedy sampling")
 
