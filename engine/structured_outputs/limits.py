@@ -6,8 +6,12 @@ grows steeply with some shapes of JSON schema. Measured with SmolLM2's 49k-token
 800 -> 1.0 s; five sibling objects of 256 optional properties each 0.75 s, twenty of them 41 s;
 arrays nested 200 deep 0.37 s, 400 deep 2.9 s. One request could hold a pool thread for minutes
 while every constrained request behind it waited. These limits refuse such constraints up front,
-with a 400 that names what to shrink; within them the slowest shapes measured compiled in under a
-second (required properties are cheap: 3,200 in one object 0.6 s). `COMPILE_TIMEOUT_S` is the
+with a 400 that names what to shrink; within them the slowest shapes measured compiled in 3 s or
+less (required properties are cheap: 3,200 in one object 0.6 s). A string's "pattern" compiles
+far slower inside a schema than the same regex alone, and with its repeats rather than its length:
+`^([a-z]{0,20}x){120}$` took 3.4 s (0.06 s as `guided_regex`), 300 alternatives of
+`qN[a-z]{0,20}` 10 s; so a schema's patterns are limited by their size with every bounded repeat
+written out (`pattern_size`; those two: 2,522 and 13,584). `COMPILE_TIMEOUT_S` is the
 backstop for whatever slips through: the request fails, and the thread finishes in the background.
 
 A subprocess that could be killed at the deadline was measured and not taken: the compiled grammar
@@ -18,16 +22,29 @@ has to come back serialized (200 optional properties: a 0.07 s compile, a 13.6 M
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pagedserve.configs import StructuredOutputs
 from pagedserve.engine.errors import InvalidRequestError
+
+try:  # Python's regex parser: re._parser from 3.11, sre_parse before
+    from re import _constants as _regex_constants
+    from re import _parser as _regex_parser
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants as _regex_constants  # type: ignore[no-redef]
+    import sre_parse as _regex_parser  # type: ignore[no-redef]
+
+_REPEATS = {_regex_constants.MAX_REPEAT, _regex_constants.MIN_REPEAT}
+if hasattr(_regex_constants, "POSSESSIVE_REPEAT"):
+    _REPEATS.add(_regex_constants.POSSESSIVE_REPEAT)
 
 MAX_SPEC_CHARS = 128 * 1024  # a schema, regex or grammar's text; a choice list's in all
 MAX_SCHEMA_DEPTH = 128  # nesting of the schema document (an object schema in an object: 2 levels)
 MAX_PROPERTIES = 2048  # in the whole schema
 MAX_OPTIONAL_PROPERTIES = 1024  # in the whole schema
 MAX_OPTIONAL_PER_OBJECT = 256
+MAX_PATTERN_SIZE = 2000  # the schema's "pattern"s, repeats written out (pattern_size): ~1-3 s
 COMPILE_TIMEOUT_S = 30.0  # a request waits at most this long for its compile
 # Masks are filled on the engine thread, and the whole batch waits for them. A grammar that is
 # short and compiles fast can still make that cost grow with every token: xgrammar's Earley
@@ -57,8 +74,9 @@ def check_limits(constraint: StructuredOutputs, what: str, schema: Any) -> None:
     size = len(spec) if isinstance(spec, str) else sum(len(choice) for choice in spec)
     found = [(size, MAX_SPEC_CHARS, "is {:,} characters long")]
     if schema is not None:
-        depth, properties, optional, widest = _schema_shape(schema)
+        depth, properties, optional, widest, patterns = _schema_shape(schema)
         found += [
+            (sum(map(pattern_size, patterns)), MAX_PATTERN_SIZE, "has patterns of size {:,}"),
             (depth, MAX_SCHEMA_DEPTH, "nests {} levels deep"),
             (properties, MAX_PROPERTIES, "has {:,} properties"),
             (widest, MAX_OPTIONAL_PER_OBJECT, "has an object of {:,} optional properties"),
@@ -73,16 +91,20 @@ def check_limits(constraint: StructuredOutputs, what: str, schema: Any) -> None:
             )
 
 
-def _schema_shape(schema: Any) -> tuple[int, int, int, int]:
-    """(nesting depth, properties, optional properties, most optional properties of one object),
-    walked without recursion: the document may nest as deep as json.loads allows."""
+def _schema_shape(schema: Any) -> tuple[int, int, int, int, list[str]]:
+    """(nesting depth, properties, optional properties, most optional properties of one object,
+    the "pattern" strings), walked without recursion: the document may nest as deep as json.loads
+    allows."""
     depth = properties = optional = widest = 0
+    patterns: list[str] = []
     stack: list[tuple[Any, int]] = [(schema, 1)]
     while stack:
         node, level = stack.pop()
         if isinstance(node, (dict, list)):
             depth = max(depth, level)  # of objects and arrays, as json.loads nests them
         if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                patterns.append(node["pattern"])
             declared = node.get("properties")
             if isinstance(declared, dict):
                 required = node.get("required")
@@ -94,4 +116,30 @@ def _schema_shape(schema: Any) -> tuple[int, int, int, int]:
             stack.extend((value, level + 1) for value in node.values())
         elif isinstance(node, list):
             stack.extend((value, level + 1) for value in node)
-    return depth, properties, optional, widest
+    return depth, properties, optional, widest, patterns
+
+
+def pattern_size(pattern: str) -> int:
+    """A regex's size with every repeat written out: `x{0,20}` counts 20 x's, `(ab|c){3}` 9, an
+    unbounded repeat its minimum plus one. Read with Python's regex parser (the syntax JSON
+    Schema patterns share); one that it cannot read counts its length."""
+    try:
+        return _written_out(_regex_parser.parse(pattern))
+    except (re.error, RecursionError, OverflowError):
+        return len(pattern)
+
+
+def _written_out(items: Any) -> int:
+    total = 0
+    for op, value in items:
+        if op in _REPEATS:
+            low, high, inner = value
+            repeats = high if high != _regex_constants.MAXREPEAT else low + 1
+            total += max(1, repeats) * _written_out(inner)
+        elif op is _regex_constants.SUBPATTERN:
+            total += _written_out(value[-1])
+        elif op is _regex_constants.BRANCH:
+            total += sum(_written_out(branch) for branch in value[1])
+        else:
+            total += 1
+    return total
