@@ -43,9 +43,10 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> int | None:
 
 def usable_cpus(root: Path = CGROUP_ROOT) -> int:
     """The CPUs in this process's affinity mask, capped by the cgroup's quota."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    limit = cgroup_cpu_limit(root)
-    return max(1, min(cpus or 1, limit or cpus or 1))
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux
+    cpus = len(affinity(0)) if affinity else os.cpu_count() or 1
+    limit = cgroup_cpu_limit(root)  # at least 1 where set
+    return cpus if limit is None else min(cpus, limit)
 
 
 def fit_threads_to_cpus(root: Path = CGROUP_ROOT) -> None:

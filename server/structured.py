@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedserve.configs import StructuredOutputs
 from pagedserve.server.errors import invalid_request
+from pagedserve.server.json_input import load_json
 from pagedserve.server.protocol import ResponseFormat, SamplingFields
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -78,9 +79,7 @@ def _json(param: str, value: str | dict[str, Any] | None) -> StructuredOutputs |
         return None
     if isinstance(value, str):
         try:
-            parsed = json.loads(value)
-        except RecursionError:  # nested past the interpreter's limit (~1,000 levels)
-            raise invalid_request(f"{param} nests too deeply to be a JSON schema", param) from None
+            parsed = load_json(value)
         except ValueError as error:
             raise invalid_request(f"{param} is not valid JSON: {error}", param) from None
         if not isinstance(parsed, (dict, bool)):

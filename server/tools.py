@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedserve.configs import ServerConfig, StructuredOutputs
 from pagedserve.server.errors import invalid_request
+from pagedserve.server.json_input import load_json
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
 from pagedserve.server.tool_parsers import PARSERS, ParsedCall, ToolCallParser
 from pagedserve.server.tool_parsers.base import call_from_object
@@ -148,8 +149,8 @@ def template_messages(
 
 def _template_call(call_id: str, function: FunctionCall) -> dict[str, Any]:
     try:
-        arguments: Any = json.loads(function.arguments)
-    except (ValueError, RecursionError):  # not JSON, or nested past the interpreter's limit
+        arguments: Any = load_json(function.arguments)
+    except ValueError:
         arguments = function.arguments  # left as sent
     return {
         "id": call_id,
@@ -172,8 +173,8 @@ class ForcedCallsParser:
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         try:
-            value = json.loads(self._text)
-        except (ValueError, RecursionError):
+            value = load_json(self._text)
+        except ValueError:
             return self._text, []
         if self._named is not None:
             return "", [ParsedCall(self._named, json.dumps(value, ensure_ascii=False))]

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pagedserve.server.json_input import load_json
+
 
 @dataclass(frozen=True, slots=True)
 class ParsedCall:
@@ -27,8 +29,8 @@ def call_from_object(value: Any, arguments_key: str = "arguments") -> ParsedCall
     arguments = value.get(arguments_key, value.get("arguments", {}))
     if isinstance(arguments, str):  # some models send the arguments already encoded
         try:
-            arguments = json.loads(arguments)
-        except (ValueError, RecursionError):
+            arguments = load_json(arguments)
+        except ValueError:
             return None
     if not isinstance(arguments, dict):
         return None

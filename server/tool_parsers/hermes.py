@@ -4,9 +4,9 @@ whose JSON does not parse stays in the content, as the model wrote it."""
 
 from __future__ import annotations
 
-import json
 import re
 
+from pagedserve.server.json_input import load_json
 from pagedserve.server.tool_parsers.base import ParsedCall, call_from_object, held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -45,8 +45,8 @@ class HermesParser:
             content.append(text[position : match.start()])
             position = match.end()
             try:
-                call = call_from_object(json.loads(match.group(1)))
-            except (ValueError, RecursionError):  # not JSON, or nested too deeply to read
+                call = call_from_object(load_json(match.group(1)))
+            except ValueError:
                 call = None
             if call is None:
                 content.append(match.group(0))  # malformed: left as the model wrote it
