@@ -26,7 +26,10 @@ from pagedserve.engine.structured_outputs.limits import (
     check_limits,
     parsed_schema,
 )
-from pagedserve.engine.structured_outputs.schema_support import unenforced_keyword
+from pagedserve.engine.structured_outputs.schema_support import (
+    invalid_keyword,
+    unenforced_keyword,
+)
 from pagedserve.engine.structured_outputs.spelling import (
     describe,
     unspellable_in_choices,
@@ -138,6 +141,11 @@ class GrammarCompiler:
                 f"the JSON schema in {constraint.param} uses {reason}, which the structured-output "
                 "compiler (xgrammar) does not enforce: the output could break the schema",
                 constraint.param,
+            )
+        problem = invalid_keyword(schema)
+        if problem is not None:
+            raise InvalidRequestError(
+                f"invalid JSON schema in {constraint.param}: {problem}", constraint.param
             )
         compiler = self._xgrammar_compiler()
         try:

@@ -35,6 +35,13 @@ except ImportError:  # pragma: no cover - Python 3.10
     import sre_constants as _regex_constants  # type: ignore[no-redef]
     import sre_parse as _regex_parser  # type: ignore[no-redef]
 
+# A repeat `{m}` / `{m,n}` with its numbers as groups, or something to pass over: an escape, a
+# [...] class, text without those; in a grammar also a string literal and a `#` comment.
+_REPEAT = r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}"
+_REGEX_TOKENS = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]?|" + _REPEAT + r'|[^\\\[{"#]+|.', re.S)
+_GRAMMAR_TOKENS = re.compile(
+    r'\\.|\[(?:\\.|[^\]\\])*\]?|"(?:\\.|[^"\\])*"?|#[^\n]*|' + _REPEAT + r'|[^\\\[{"#]+|.', re.S
+)
 _REPEATS = {_regex_constants.MAX_REPEAT, _regex_constants.MIN_REPEAT}
 if hasattr(_regex_constants, "POSSESSIVE_REPEAT"):
     _REPEATS.add(_regex_constants.POSSESSIVE_REPEAT)
@@ -46,6 +53,9 @@ MAX_OPTIONAL_PROPERTIES = 1024  # in the whole schema
 MAX_OPTIONAL_PER_OBJECT = 256
 MAX_PATTERN_SIZE = 2000  # the schema's "pattern"s, repeats written out (pattern_size): ~1-3 s
 COMPILE_TIMEOUT_S = 30.0  # a request waits at most this long for its compile
+# xgrammar 0.2.9 keeps counts and repeats in 32-bit ints: `a{4294967296}` compiled as `a{0}`,
+# `"maxItems": 4294967297` as 1. Larger ones are refused (also in schema_support.invalid_keyword).
+MAX_COUNT = 2**31 - 1
 # Masks are filled on the engine thread, and the whole batch waits for them. A grammar that is
 # short and compiles fast can still make that cost grow with every token: xgrammar's Earley
 # parser over `s ::= s s s s | s s s | s s | [a-z ] | ""` took 30 ms, then 60, 150, 310, 660,
@@ -73,8 +83,12 @@ def check_limits(constraint: StructuredOutputs, what: str, schema: Any) -> None:
     spec = constraint.spec
     size = len(spec) if isinstance(spec, str) else sum(len(choice) for choice in spec)
     found = [(size, MAX_SPEC_CHARS, "is {:,} characters long")]
+    repeats: list[int] = []
+    if constraint.kind in ("regex", "grammar"):
+        repeats.append(largest_repeat(str(spec), grammar=constraint.kind == "grammar"))
     if schema is not None:
         depth, properties, optional, widest, patterns = _schema_shape(schema)
+        repeats += map(largest_repeat, patterns)
         found += [
             (sum(map(pattern_size, patterns)), MAX_PATTERN_SIZE, "has patterns of size {:,}"),
             (depth, MAX_SCHEMA_DEPTH, "nests {} levels deep"),
@@ -82,6 +96,12 @@ def check_limits(constraint: StructuredOutputs, what: str, schema: Any) -> None:
             (widest, MAX_OPTIONAL_PER_OBJECT, "has an object of {:,} optional properties"),
             (optional, MAX_OPTIONAL_PROPERTIES, "has {:,} optional properties"),
         ]
+    if max(repeats, default=0) > MAX_COUNT:
+        raise InvalidRequestError(
+            f"the {what} in {constraint.param} repeats an item more than {MAX_COUNT:,} times, "
+            "the most the compiler (xgrammar) counts",
+            constraint.param,
+        )
     for value, limit, problem in found:
         if value > limit:
             raise InvalidRequestError(
@@ -117,6 +137,15 @@ def _schema_shape(schema: Any) -> tuple[int, int, int, int, list[str]]:
         elif isinstance(node, list):
             stack.extend((value, level + 1) for value in node)
     return depth, properties, optional, widest, patterns
+
+
+def largest_repeat(spec: str, *, grammar: bool = False) -> int:
+    """The largest count written in a repeat (`{m}`, `{m,n}`) of a regex, or with `grammar` of an
+    xgrammar EBNF grammar, outside escapes, classes, string literals and comments; 0 if none."""
+    tokens = _GRAMMAR_TOKENS if grammar else _REGEX_TOKENS
+    numbers = (n.lstrip("0") for match in tokens.finditer(spec) for n in match.groups() if n)
+    # More than ten digits is past MAX_COUNT (and int() refuses thousands of them).
+    return max((int(n or "0") if len(n) <= 10 else MAX_COUNT + 1 for n in numbers), default=0)
 
 
 def pattern_size(pattern: str) -> int:

@@ -251,3 +251,62 @@ def test_keywords_the_compiler_enforces_pass_even_under_those_names(manager):
         "required": ["not", "if"],
     }
     manager.compile(StructuredOutputs("json", json.dumps(schema), "guided_json"))
+
+
+# Invalid schemas xgrammar 0.2.9 compiles as some valid one (engine/structured_outputs/
+# schema_support.py): each is refused with a 400 naming the keyword.
+MISREAD = [
+    ({"type": "string", "maxLength": -1}, "'maxLength' is -1;"),  # read as no bound
+    ({"type": "array", "items": {"type": "integer"}, "minItems": -2}, "'minItems' is -2;"),
+    ({"type": "array", "maxItems": 4294967297}, "'maxItems' is 4294967297;"),  # read as 1
+    ({"anyOf": []}, "'anyOf' is empty"),  # read as "only the end"
+    ({"allOf": []}, "'allOf' is empty"),  # read as "anything"
+]
+
+
+@pytest.mark.parametrize(("schema", "problem"), MISREAD)
+def test_xgrammar_still_compiles_these_invalid_schemas(manager, schema, problem):
+    # The reason for the refusal below; fails once an xgrammar upgrade refuses them itself.
+    manager.compiler._xgrammar_compiler().compile_json_schema(
+        json.dumps(schema), any_whitespace=False, strict_mode=True
+    )
+
+
+@pytest.mark.parametrize(("schema", "problem"), MISREAD)
+def test_an_invalid_schema_the_compiler_would_misread_is_refused(manager, schema, problem):
+    nested = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+    for spec in (schema, nested):
+        with pytest.raises(InvalidRequestError, match=re.escape(problem)) as raised:
+            manager.compile(StructuredOutputs("json", json.dumps(spec), "response_format"))
+        assert raised.value.param == "response_format"
+
+
+def test_xgrammar_wraps_repeat_counts_past_2_to_the_31(manager, default_tokenizer):
+    # The reason for the refusal below: `a{4294967296}` compiles as `a{0}`.
+    compiled = manager.compiler._xgrammar_compiler().compile_regex("a{4294967296}")
+    assert xgrammar.GrammarMatcher(compiled).accept_token(default_tokenizer.eos_token_id)
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        StructuredOutputs("regex", "[ab]{4294967296}", "guided_regex"),
+        StructuredOutputs("regex", "a{1," + "9" * 5000 + "}", "guided_regex"),
+        StructuredOutputs("grammar", 'root ::= "a"{2147483648}', "guided_grammar"),
+        StructuredOutputs(
+            "json", json.dumps({"type": "string", "pattern": "^x{4294967296}$"}), "response_format"
+        ),
+    ],
+)
+def test_a_repeat_past_the_compilers_count_is_refused(manager, constraint):
+    with pytest.raises(InvalidRequestError, match="more than 2,147,483,647 times") as raised:
+        manager.compile(constraint)
+    assert raised.value.param == constraint.param
+
+
+def test_repeats_within_the_count_and_braces_that_are_not_repeats_compile(manager):
+    for constraint in (
+        StructuredOutputs("regex", r"a{2147483647}|\{99999999999\}|[{]9999999999[}]"),
+        StructuredOutputs("grammar", 'root ::= "{99999999999}" [a]{2147483647}  # {99999999999}'),
+    ):
+        manager.compile(constraint)
