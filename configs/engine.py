@@ -100,7 +100,9 @@ class CacheConfig(_Section):
         0.9, gt=0.0, le=1.0, description="fraction of GPU memory for weights + KV on CUDA"
     )
     num_kv_blocks: int | None = Field(
-        None, ge=1, description="explicit number of KV blocks (overrides the budget)"
+        None,
+        ge=1,
+        description="explicit number of KV blocks (overrides the budget; default: from it)",
     )
     enable_prefix_caching: bool = Field(
         True, description="reuse cached KV blocks of identical prompt prefixes"
@@ -173,7 +175,9 @@ class SchedulerConfig(_Section):
 class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
-    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
+    api_key: str | None = Field(
+        None, description="require 'Authorization: Bearer <key>' (default: none, no key asked)"
+    )
     max_request_body_bytes: int = Field(
         1 << 20, ge=1024, description="largest accepted request body"
     )
@@ -182,7 +186,9 @@ class ServerConfig(_Section):
         False, description="let the model decide to call tools (tool_choice auto; as vLLM)"
     )
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
-        None, description="how tool calls are read from free output (with auto tool choice)"
+        None,
+        description="how tool calls are read from free output (with auto tool choice; default: "
+        "none, required with it)",
     )
     # The state lists request ids and block tables (no text): fine on a loopback bind, a choice to
     # make on a public one.

@@ -60,11 +60,14 @@ def _add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str]) 
         group = parser.add_argument_group(f"{section} settings")
         for name, field in SECTIONS[section].model_fields.items():
             description = (field.description or "").replace("%", "%%")
+            # A None default is explained by the description ("default: the model name").
+            if field.default is not None and "(default" not in description:
+                description += f" (default: {field.default})"
             group.add_argument(
                 "--" + name.replace("_", "-"),
                 dest=name,
                 default=argparse.SUPPRESS,  # absent unless given: see the module docstring
-                help=f"{description} (default: {field.default})",
+                help=description,
                 **_flag_kwargs(field.annotation),
             )
     parser.add_argument(

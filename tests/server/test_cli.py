@@ -135,3 +135,10 @@ def test_a_bad_speculative_config_is_a_usage_error(capsys):
     assert exit_info.value.code == 2
     last_line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "scheduler.speculative_config.num_speculative_tokens" in last_line
+
+
+def test_serve_help_never_shows_a_none_default(capsys):
+    # Optional settings say what their absence means in their own words.
+    text = _serve_help(capsys)
+    assert "(default: None)" not in text
+    assert "name reported by /v1/models (default: the model name)" in " ".join(text.split())
