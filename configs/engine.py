@@ -125,8 +125,10 @@ class CacheConfig(_Section):
     def _valid_size(cls, value: object) -> object:
         if isinstance(value, int) and not isinstance(value, bool):
             value = str(value)  # a plain byte count, as YAML or LLM(kv_cache_memory=2**30) give it
-        if isinstance(value, str) and value.strip().lower() != "auto":
-            parse_bytes(value)
+        if isinstance(value, str) and value.strip().lower() != "auto" and parse_bytes(value) < 1:
+            raise ValueError(
+                f"{value!r} holds no KV block: give a size such as '512MiB', or 'auto'"
+            )
         return value
 
 

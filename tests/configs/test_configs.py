@@ -168,6 +168,12 @@ def test_bad_byte_sizes_are_rejected(text: str):
         parse_bytes(text)
 
 
+@pytest.mark.parametrize("budget", ["0", "0GiB", "0.0000001KiB", 0])
+def test_cache_config_rejects_a_budget_of_no_bytes_before_any_model_loads(budget):
+    with pytest.raises(ValueError, match="holds no KV block"):
+        CacheConfig(kv_cache_memory=budget)
+
+
 def test_cache_config_rejects_unparseable_memory_budget():
     with pytest.raises(ValueError, match="kv_cache_memory"):
         CacheConfig(kv_cache_memory="lots")
