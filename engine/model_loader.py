@@ -100,6 +100,13 @@ def resolve_model_path(model: str) -> tuple[Path, bool]:
         ) from error
 
 
+def check_model_found(model: str) -> None:
+    """Raise ModelNotFoundError now, before a server starts, if `model` is nowhere to be found.
+    Cheap: the default model is not converted and nothing is loaded."""
+    if not Path(model).expanduser().is_dir() and model not in DEFAULT_MODEL_ALIASES:
+        resolve_model_path(model)
+
+
 def _default_gguf_path() -> Path:
     # find_spec locates the package without importing it (its __init__ pulls in the `llm` CLI).
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)

@@ -216,7 +216,12 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: SamplingPa
 
 def _checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
     try:
-        return config_from_args(args)
+        config = config_from_args(args)
+        if args.command in ("serve", "generate"):
+            from pagedserve.engine.model_loader import check_model_found  # imports torch
+
+            check_model_found(config.model.model)  # a typo: one line here, not a traceback later
+        return config
     except ValidationError as exc:  # one line per run, naming each field
         parser.error(
             "invalid configuration: "

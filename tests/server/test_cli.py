@@ -142,3 +142,16 @@ def test_serve_help_never_shows_a_none_default(capsys):
     text = _serve_help(capsys)
     assert "(default: None)" not in text
     assert "name reported by /v1/models (default: the model name)" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "hi"], ["replicas", "-n", "1"]])
+def test_a_model_that_is_nowhere_is_a_usage_error_before_anything_starts(
+    capsys, monkeypatch, tmp_path, command
+):
+    for started in ("_serve", "_generate"):
+        monkeypatch.setattr(f"pagedserve.server.cli.{started}", lambda *a: pytest.fail("started"))
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--model", str(tmp_path / "no-such-model")])
+    assert exit_info.value.code == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no-such-model' is not a local folder" in last_line
