@@ -175,6 +175,18 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+class _StartupErrorInOneLine(logging.Filter):
+    """uvicorn logs a failed startup's whole traceback, as Starlette formats it: dozens of lines
+    for a setting the engine refused ('ValueError: the KV cache budget (100 bytes) holds no
+    block...'). The traceback's last line names the problem; `--log-level debug` keeps it all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("Traceback (most recent call last):"):
+            record.msg, record.args = message.strip().splitlines()[-1], ()
+        return True
+
+
 def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
     grace_s = args.timeout_graceful_shutdown
     server = GracefulServer(
@@ -187,6 +199,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
         ),
         grace_s,
     )
+    if config.server.log_level != "debug":  # after uvicorn.Config, which configures its loggers
+        logging.getLogger("uvicorn.error").addFilter(_StartupErrorInOneLine())
     # uvicorn re-raises a captured SIGTERM once its graceful shutdown is done; the default handler
     # would then kill us with status 143 although the shutdown was clean.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from pagedserve.configs.engine import SECTIONS
 from pagedserve.server.cli import build_parser, config_from_args, main
+from tests.server_process import REPO_ROOT, free_port
 
 BRIEF_FLAGS = [
     "--model",
@@ -155,3 +160,15 @@ def test_a_model_that_is_nowhere_is_a_usage_error_before_anything_starts(
     assert exit_info.value.code == 2
     last_line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "no-such-model' is not a local folder" in last_line
+
+
+def test_a_setting_the_engine_refuses_at_startup_is_one_line_and_exit_status_3():
+    # The model loads, then the engine refuses the budget: uvicorn's startup failure, whose
+    # traceback is cut to its last line (server/cli.py, _StartupErrorInOneLine).
+    command = [sys.executable, "-m", "pagedserve.server", "serve", "--device", "cpu"]
+    command += ["--kv-cache-memory", "100", "--port", str(free_port()), "--log-level", "warning"]
+    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environ)
+    assert done.returncode == 3
+    assert "ValueError: the KV cache budget (100 bytes) holds no block" in done.stderr
+    assert "Traceback" not in done.stderr and "Application startup failed" in done.stderr
