@@ -293,9 +293,6 @@ def _max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
     model_limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
     if requested is not None and requested > model_limit:
         logger.warning(
-            "max_model_len %d exceeds the model's %d positions; using %d",
-            requested,
-            model_limit,
-            model_limit,
+            "max_model_len %d exceeds the model's %d positions; using those", requested, model_limit
         )
     return min(model_limit, requested or DEFAULT_MAX_MODEL_LEN)
