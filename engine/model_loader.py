@@ -74,7 +74,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
 
 
-def resolve_model_path(model: str) -> tuple[Path, bool]:
+def resolve_model_path(model: str, what: str = "model") -> tuple[Path, bool]:
     """Map a model name to a local HF folder, converting the default model on first use.
 
     Returns:
@@ -94,17 +94,18 @@ def resolve_model_path(model: str) -> tuple[Path, bool]:
         return Path(snapshot_download(model, local_files_only=True)), False
     except (LocalEntryNotFoundError, HFValidationError) as error:
         raise ModelNotFoundError(
-            f"model {model!r} is not a local folder and is not in the local Hugging Face cache; "
+            f"{what} {model!r} is not a local folder and is not in the local Hugging Face cache; "
             f"the hub is not reachable from here, so download it elsewhere and pass its folder "
             f"(or use the default model {DEFAULT_MODEL!r})"
         ) from error
 
 
-def check_model_found(model: str) -> None:
-    """Raise ModelNotFoundError now, before a server starts, if `model` is nowhere to be found.
-    Cheap: the default model is not converted and nothing is loaded."""
-    if not Path(model).expanduser().is_dir() and model not in DEFAULT_MODEL_ALIASES:
-        resolve_model_path(model)
+def check_model_found(config: ModelConfig) -> None:
+    """Raise ModelNotFoundError now, before a server starts, if the model or its tokenizer is
+    nowhere to be found. Cheap: the default model is not converted and nothing is loaded."""
+    for name, what in ((config.model, "model"), (config.tokenizer, "tokenizer")):
+        if name and not Path(name).expanduser().is_dir() and name not in DEFAULT_MODEL_ALIASES:
+            resolve_model_path(name, what)
 
 
 def _default_gguf_path() -> Path:
@@ -198,7 +199,7 @@ def load_model(
     model_path, _ = resolve_model_path(model_config.model)
     tokenizer_path = model_path
     if model_config.tokenizer:
-        tokenizer_path, _ = resolve_model_path(model_config.tokenizer)
+        tokenizer_path, _ = resolve_model_path(model_config.tokenizer, "tokenizer")
     dtype = resolve_dtype(model_config.dtype, device)
     model = AutoModelForCausalLM.from_pretrained(
         model_path,

@@ -234,7 +234,7 @@ def _checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         if args.command in ("serve", "generate"):
             from pagedserve.engine.model_loader import check_model_found  # imports torch
 
-            check_model_found(config.model.model)  # a typo: one line here, not a traceback later
+            check_model_found(config.model)  # a typo: one line here, not a traceback later
         return config
     except ValidationError as exc:  # one line per run, naming each field
         parser.error(

@@ -150,16 +150,17 @@ def test_serve_help_never_shows_a_none_default(capsys):
 
 
 @pytest.mark.parametrize("command", [["serve"], ["generate", "hi"], ["replicas", "-n", "1"]])
+@pytest.mark.parametrize("flag", ["--model", "--tokenizer"])
 def test_a_model_that_is_nowhere_is_a_usage_error_before_anything_starts(
-    capsys, monkeypatch, tmp_path, command
+    capsys, monkeypatch, tmp_path, command, flag
 ):
     for started in ("_serve", "_generate"):
         monkeypatch.setattr(f"pagedserve.server.cli.{started}", lambda *a: pytest.fail("started"))
     with pytest.raises(SystemExit) as exit_info:
-        main([*command, "--model", str(tmp_path / "no-such-model")])
+        main([*command, flag, str(tmp_path / "nowhere")])
     assert exit_info.value.code == 2
     last_line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "no-such-model' is not a local folder" in last_line
+    assert f"{flag[2:]} '{tmp_path / 'nowhere'}' is not a local folder" in last_line
 
 
 def test_a_setting_the_engine_refuses_at_startup_is_one_line_and_exit_status_3():
