@@ -26,8 +26,8 @@
 // float32 rows of whole vectors are read in place. bfloat16 values are widened in registers as
 // the value pass loads them, even and odd dims apart (load_widened_pairs); bfloat16 keys are read
 // unwidened by AVX512_BF16 dot products where the build has them and the query is bfloat16
-// (score_row_dpbf16), else widened into a small float32 buffer, as are float16 and fp8 rows
-// (zero-padded to whole vectors). On a 2-core AMD EPYC
+// (score_row_dpbf16), else widened in registers the same way (score_row_widened); float16 and
+// fp8 rows are widened into a small float32 buffer (zero-padded to whole vectors). On a 2-core AMD EPYC
 // (Zen 4) these changes, the value pass over several rows and L2 prefetching took a 64 x 1,024
 // decode step from 2.1x to 1.4-1.7x the time of a plain read of its K/V in float32, and from 4.5x
 // to 1.3x in bfloat16 (benchmarks/RESULTS.md, "Sixth session"). Where the build has AVX512_BF16,
@@ -389,6 +389,39 @@ inline int pair_order_index(int d) {
   return base + (within % 2) * kLanes + within / 2;
 }
 
+// score_row over bfloat16 keys read in place, widened in registers as they are loaded
+// (load_widened_pairs): `q` is the query row in pair order (pair_order_index), so even and odd
+// dims meet their own. Where there are no AVX512_BF16 dot products, or the query is float32 (a
+// bfloat16 cache under a float32 model). Widening each tile into a float32 buffer first, as
+// float16 and fp8 rows are, took 12-18% longer with K/V in L2 and 6-17% longer at 64 x 384 (the
+// AVX-512 and AVX2 builds, and native with float32 queries; from memory at 64 x 1,024 0-15%;
+// 2-core Zen 4, interleaved rounds).
+template <int CHUNKS, typename Hook>
+inline void score_row_widened(const float* q, const uint16_t* const* keys, int64_t offset,
+                              int num_keys, float* scores, Hook&& before_group) {
+  static_assert(CHUNKS % 2 == 0, "bfloat16 rows are widened two vectors at a time");
+  vfloat query[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) query[c] = load(q + c * kLanes);
+  auto dot = [&](const uint16_t* key) {
+    vfloat even, odd;
+    load_widened_pairs(key, even, odd);
+    vfloat sum = query[0] * even + query[1] * odd;
+    for (int c = 2; c < CHUNKS; c += 2) {
+      load_widened_pairs(key + c * kLanes, even, odd);
+      sum += query[c] * even + query[c + 1] * odd;
+    }
+    return sum;
+  };
+  int t = 0;
+  for (; t + kLanes <= num_keys; t += kLanes) {
+    before_group();
+    vfloat sums[kLanes];
+    for (int k = 0; k < kLanes; ++k) sums[k] = dot(keys[t + k] + offset);
+    store(scores + t, transposed_sum(sums));
+  }
+  for (; t < num_keys; ++t) scores[t] = horizontal_sum(dot(keys[t] + offset));
+}
+
 // acc[r] += sum_t probs[r][t] * v[t] for ROWS rows at once: each value row is loaded (and, for
 // bfloat16, widened) once for all of them instead of once per row. probs rows are kKeyTile apart.
 // Only the CHUNKS vectors from `column` (an element offset into each accumulator, and into each
@@ -666,7 +699,9 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
   const bool dpbf16_scores = false;
 #endif
 
-  const bool keys_in_place = read_in_place || (bf16_values_in_place && dpbf16_scores);
+  // Other bfloat16 keys are widened in registers as they are scored (score_row_widened).
+  const bool widened_scores = bf16_values_in_place && !dpbf16_scores;
+  const bool keys_in_place = read_in_place || bf16_values_in_place;
   const bool values_in_place = read_in_place || bf16_values_in_place;
   // Widened rows, zero-padded to `stride` (only where rows are not read in place).
   std::vector<float> key_tile(keys_in_place ? 0 : static_cast<size_t>(kKeyTile) * stride, 0.0f);
@@ -681,12 +716,16 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
     if (dpbf16_scores) {  // scored from the bfloat16 row as it is; the float32 row goes unused
       const uint16_t* src = static_cast<const uint16_t*>(p.query) + offset;
       std::memcpy(q_bf16.data() + m * stride, src, head_dim * sizeof(uint16_t));
-    } else if (p.bfloat16_io) {
+    } else if (p.bfloat16_io) {  // in pair order where the keys are widened that way
       const uint16_t* src = static_cast<const uint16_t*>(p.query) + offset;
-      for (int d = 0; d < head_dim; ++d) row[d] = pagedserve::bf16_to_float(src[d]) * p.scale;
+      for (int d = 0; d < head_dim; ++d) {
+        row[widened_scores ? pair_order_index(d) : d] = pagedserve::bf16_to_float(src[d]) * p.scale;
+      }
     } else {
       const float* src = static_cast<const float*>(p.query) + offset;
-      for (int d = 0; d < head_dim; ++d) row[d] = src[d] * p.scale;
+      for (int d = 0; d < head_dim; ++d) {
+        row[widened_scores ? pair_order_index(d) : d] = src[d] * p.scale;
+      }
     }
   }
 
@@ -835,7 +874,12 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
                                  key_offset, visible, p.scale, scores, before_group);
       } else
 #endif
-      {
+      if (widened_scores) {
+        if constexpr (kBf16Cache && CHUNKS > 0) {  // as widened_scores implies
+          score_row_widened<CHUNKS>(q.data() + static_cast<size_t>(m) * stride, bf16_key_rows,
+                                    key_offset, visible, scores, before_group);
+        }
+      } else {
         score_row<CHUNKS>(q.data() + static_cast<size_t>(m) * stride, key_rows, key_offset, chunks,
                           visible, scores, before_group);
       }
