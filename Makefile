@@ -71,14 +71,15 @@ docker-smoke: install
 	$(PY) -m pytest tests/packaging/test_docker_smoke.py -v -s --run-docker
 
 # Wheels that benchmarks/gpu_check.sh carries to a lent GPU machine (Python 3.12 there; its image
-# lacks pydantic). The versions are this venv's, so the check runs what the tests here run.
-GPU_WHEELS = pydantic pydantic_core annotated_types typing_inspection typing_extensions
+# lacks pydantic, and xgrammar, which the engine's tests import). The versions are this venv's, so the check runs what the tests here run.
+GPU_WHEELS = pydantic pydantic_core annotated_types typing_inspection typing_extensions xgrammar apache-tvm-ffi
 gpu-wheels: install
 	rm -rf .whl && mkdir -p .whl
 	for name in $(GPU_WHEELS); do \
 	  version=$$($(PY) -c "import importlib.metadata as m; print(m.version('$$name'))") && \
 	  $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-	    --implementation cp --platform manylinux2014_x86_64 -d .whl "$$name==$$version" || exit 1; \
+	    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$$name==$$version" || exit 1; \
 	done
 
 clean:

@@ -138,14 +138,24 @@ def test_window_reads_no_block_outside_it(paged_batch, cpu_backend):
     key_cache, value_cache = key_cache.clone(), value_cache.clone()
     key_cache[null_block], value_cache[null_block] = float("nan"), float("nan")
     poisoned = dataclasses.replace(meta, block_tables=tables)
-    backends = [TorchPagedAttention(), cpu_backend]
+    backends = [(TorchPagedAttention(), "cpu"), (cpu_backend, "cpu")]
     if importlib.util.find_spec("triton") is not None:
-        backends.append(get_attention_backend("triton", torch.device("cpu")))
-    for backend in backends:
-        actual = backend.forward(
-            query, key_cache, value_cache, poisoned, 0.125, sliding_window=window
+        # Triton runs natively where there is a GPU (TRITON_INTERPRET is off there), else
+        # interpreted on the CPU.
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        backends.append((get_attention_backend("triton", torch.device(device)), device))
+    for backend, device in backends:
+        on_device = [t.to(device) for t in (query, key_cache, value_cache)]
+        meta_on_device = dataclasses.replace(
+            poisoned,
+            **{
+                f.name: getattr(poisoned, f.name).to(device)
+                for f in dataclasses.fields(poisoned)
+                if isinstance(getattr(poisoned, f.name), torch.Tensor)
+            },
         )
-        assert (actual - expected).abs().max().item() < 1e-5, backend.name
+        actual = backend.forward(*on_device, meta_on_device, 0.125, sliding_window=window)
+        assert (actual.cpu() - expected).abs().max().item() < 1e-5, backend.name
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
