@@ -354,3 +354,52 @@ def test_attention_benchmark_times_a_prefill_chunk_against_the_matmul_rate(tmp_p
         4 * 9 * 64 * 48 * 49 / 2 / (kernel["median_ms"] / 1e3) / 1e9
     )
     assert kernel["fraction_of_matmul"] > 0
+
+
+def test_a_lower_isa_build_is_held_to_the_matmul_of_the_cpu_it_stands_for():
+    import torch
+
+    from pagedserve.benchmarks.prefill_attention import build_cpu_flags, model_linear
+    from pagedserve.engine.widened_linear import WidenedLinear
+
+    avx2, avx512 = build_cpu_flags("avx2"), build_cpu_flags("avx512")
+    assert not any(f.startswith(("avx512", "amx")) for f in avx2)
+    assert "avx512_bf16" not in avx512 and not any(f.startswith("amx") for f in avx512)
+    # A bfloat16 model on a CPU without bf16 dot products multiplies in float32 (as its loader
+    # runs it); a native-bf16 CPU keeps bfloat16; float32 never widens.
+    no_bf16 = frozenset({"avx2", "fma", "avx512f"})
+    assert isinstance(model_linear(8, 16, torch.bfloat16, no_bf16), WidenedLinear)
+    native = frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})
+    assert not isinstance(model_linear(8, 16, torch.bfloat16, native), WidenedLinear)
+    assert not isinstance(model_linear(8, 16, torch.float32, no_bf16), WidenedLinear)
+
+
+def test_the_prefill_benchmark_names_each_rows_baseline():
+    import torch
+
+    from pagedserve.benchmarks.prefill_attention import bench_prefill
+    from pagedserve.cache.attention.cpu import host_runnable_isas
+    from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16
+
+    kwargs = dict(chunk=32, heads=9, kv_heads=3, head_dim=64, block_size=16, repeats=1)
+    rows = bench_prefill(**kwargs, isas=host_runnable_isas(), dtype=torch.bfloat16)
+    by_impl = {row["impl"]: row for row in rows}
+    assert by_impl["matmul"]["baseline"] == "matmul"
+    assert by_impl["sdpa_contiguous"]["baseline"] == "matmul"
+    host_has_bf16 = not missing_native_bf16(host_cpu_flags())
+    for isa in host_runnable_isas():
+        baseline = by_impl[f"cpu_{isa}"]["baseline"]
+        # Below a native-bf16 host's ISA a build stands for a CPU that widens; else the host's.
+        assert baseline == ("matmul_widened" if host_has_bf16 and isa != "native" else "matmul")
+        kernel = by_impl[f"cpu_{isa}"]
+        assert kernel["fraction_of_matmul"] == pytest.approx(
+            by_impl[baseline]["median_ms"]
+            / kernel["median_ms"]
+            * 4
+            * 9
+            * 64
+            * 32
+            * 33
+            / 2
+            / (2 * 32 * 576 * 1536)
+        )
