@@ -247,7 +247,10 @@ def percentile(values: list[float], fraction: float) -> float:
 def time_interleaved(
     candidates: dict[str, Callable[[], object]], repeats: int, device: Any = None
 ) -> dict[str, tuple[list[float], list[float]]]:
-    """Run each candidate once per round (after a warm-up round), so noise hits them alike.
+    """Run each candidate once per round (after a warm-up round), so noise hits them alike, in an
+    order shuffled every round (seeded): what ran just before a call changes its time. In a fixed
+    order, two builds of the same kernel source timed one after the other came out 3-8% apart,
+    whichever ran second ahead (64 x 1,024 decode step, 2-core Zen 4); shuffled, 0.3-1%.
 
     Returns per candidate (wall seconds, process CPU seconds) per call. CPU time, summed over
     threads, is the steadier number on a shared machine where wall time includes waiting. On CUDA
@@ -263,8 +266,10 @@ def time_interleaved(
     for run in candidates.values():
         run()
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in candidates}
+    order = random.Random(0)
     for _ in range(repeats):
-        for name, run in candidates.items():
+        for name in order.sample(list(candidates), len(candidates)):
+            run = candidates[name]
             synchronize()
             wall_start, cpu_start = time.perf_counter(), time.process_time()
             run()

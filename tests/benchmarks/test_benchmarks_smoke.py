@@ -27,6 +27,7 @@ from pagedserve.benchmarks.workload import (
     percentile,
     prompt_lengths,
     read_bandwidth,
+    time_interleaved,
 )
 
 TINY_WORKLOAD = [
@@ -403,3 +404,14 @@ def test_the_prefill_benchmark_names_each_rows_baseline():
             / 2
             / (2 * 32 * 576 * 1536)
         )
+
+
+def test_interleaved_timing_runs_every_candidate_once_a_round_in_shuffled_orders():
+    calls: list[str] = []
+    candidates = {name: (lambda name=name: calls.append(name)) for name in "abcd"}
+    times = time_interleaved(candidates, repeats=20)
+    assert {name: len(wall) for name, (wall, _) in times.items()} == dict.fromkeys("abcd", 20)
+    rounds = [tuple(calls[i : i + 4]) for i in range(4, len(calls), 4)]  # after the warm-up
+    assert all(sorted(order) == list("abcd") for order in rounds)
+    assert len(set(rounds)) > 5  # not one fixed order: a call's predecessor changes its time
+    assert {order[0] for order in rounds} == set("abcd")
