@@ -136,7 +136,7 @@ def _baselines(
     """Which matmul each build is held to, and those matmuls by name: the matmul of the CPU the
     build stands for. A bfloat16 build without bf16 dot products is held to the widened float32
     linear such a CPU's loader runs, not to this host's native bf16 one; "matmul" is the host's."""
-    baseline = {"native": "matmul"}
+    baseline: dict[str, str] = {}
     linears = {"matmul": model_linear(hidden_size, intermediate_size, dtype, host_cpu_flags())}
     for isa in isas:
         linear = model_linear(hidden_size, intermediate_size, dtype, build_cpu_flags(isa))

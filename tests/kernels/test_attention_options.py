@@ -119,14 +119,10 @@ def test_triton_backend_options_match_reference(paged_batch, matches_reference, 
     matches_reference(backend, _batch(paged_batch, block_size, device), **_options(case, device))
 
 
-def test_window_reads_no_block_outside_it(paged_batch, cpu_backend):
-    # Freed sliding-window blocks are table entries pointing at a null block: pointing every block
-    # a request's window excludes at a spare block full of NaN must not change any backend's output.
-    query, key_cache, value_cache, meta = _batch(paged_batch, block_size=4)
-    window = 7
-    expected = TorchPagedAttention().forward(
-        query, key_cache, value_cache, meta, 0.125, sliding_window=window
-    )
+def _window_poisoned_batch(paged_batch, window: int, device: str):
+    """The block-size-4 batch on `device`, with every block a request's window excludes pointed
+    at a spare block full of NaN (how freed sliding-window blocks look in a table)."""
+    query, key_cache, value_cache, meta = _batch(paged_batch, block_size=4, device=device)
     used = set(meta.block_tables.flatten().tolist())
     null_block = next(b for b in range(key_cache.shape[0]) if b not in used)
     tables = meta.block_tables.clone()
@@ -135,9 +131,17 @@ def test_window_reads_no_block_outside_it(paged_batch, cpu_backend):
         first_query = seq_len - (starts[i + 1] - starts[i])
         tables[i, : max(0, first_query - window + 1) // 4] = null_block
     assert (tables == null_block).any()
-    key_cache, value_cache = key_cache.clone(), value_cache.clone()
     key_cache[null_block], value_cache[null_block] = float("nan"), float("nan")
-    poisoned = dataclasses.replace(meta, block_tables=tables)
+    return query, key_cache, value_cache, dataclasses.replace(meta, block_tables=tables)
+
+
+def test_window_reads_no_block_outside_it(paged_batch, cpu_backend):
+    # Freed sliding-window blocks are table entries pointing at a null block: pointing every block
+    # a request's window excludes at a spare block full of NaN must not change any backend's output.
+    window = 7
+    expected = TorchPagedAttention().forward(
+        *_batch(paged_batch, block_size=4), 0.125, sliding_window=window
+    )
     backends = [(TorchPagedAttention(), "cpu"), (cpu_backend, "cpu")]
     if importlib.util.find_spec("triton") is not None:
         # Triton runs natively where there is a GPU (TRITON_INTERPRET is off there), else
@@ -145,16 +149,8 @@ def test_window_reads_no_block_outside_it(paged_batch, cpu_backend):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         backends.append((get_attention_backend("triton", torch.device(device)), device))
     for backend, device in backends:
-        on_device = [t.to(device) for t in (query, key_cache, value_cache)]
-        meta_on_device = dataclasses.replace(
-            poisoned,
-            **{
-                f.name: getattr(poisoned, f.name).to(device)
-                for f in dataclasses.fields(poisoned)
-                if isinstance(getattr(poisoned, f.name), torch.Tensor)
-            },
-        )
-        actual = backend.forward(*on_device, meta_on_device, 0.125, sliding_window=window)
+        poisoned = _window_poisoned_batch(paged_batch, window, device)
+        actual = backend.forward(*poisoned, 0.125, sliding_window=window)
         assert (actual.cpu() - expected).abs().max().item() < 1e-5, backend.name
 
 
