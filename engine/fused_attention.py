@@ -104,10 +104,16 @@ class FusedAttention(nn.Module):
         position_embeddings: tuple[Tensor, Tensor] | None = None,
         attention_mask: Tensor | None = None,
         cache: object | None = None,
+        query_rows: Tensor | None = None,
         **kwargs: object,
     ) -> tuple[Tensor, Tensor | None]:
+        """The module's forward; with `query_rows` (engine/kept_rows.py), every row's K/V still
+        reach the attention interface, but only those rows are queries and outputs."""
         input_shape = hidden_states.shape[:-1]
         query, key, value = self.rotated_qkv(hidden_states, *position_embeddings)
+        if query_rows is not None:
+            query = query.index_select(2, query_rows)
+            input_shape = (*input_shape[:-1], query_rows.numel())
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(

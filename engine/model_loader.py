@@ -33,6 +33,7 @@ from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 from pagedserve.engine.fused_attention import can_fuse_attention, fuse_attention
 from pagedserve.engine.fused_mlp import can_fuse_mlps, fuse_mlps
 from pagedserve.engine.fused_norm import can_fuse_norms, fuse_rms_norms
+from pagedserve.engine.kept_rows import keep_rows_in_last_layer
 from pagedserve.engine.packed_linear import can_pack, can_pack_float32, pack_linears
 from pagedserve.engine.panel_linear import swap_in_panel_linears
 from pagedserve.engine.skinny_linear import (
@@ -234,6 +235,8 @@ def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> No
         logger.info("fused %d MLP layers", fuse_mlps(model))
     if can_fuse_attention(model):
         logger.info("fused %d attention layers", fuse_attention(model))
+    if keep_rows_in_last_layer(model):  # after fuse_attention: it needs the fused attention
+        logger.info("the last decoder layer computes only the rows whose logits are kept")
     # Decode-sized batches through the panel kernel on AVX-512 builds; before packing, which then
     # packs each swapped layer's fallback.
     panels = swap_in_panel_linears(model, float32_linear)

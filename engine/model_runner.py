@@ -18,8 +18,9 @@ from transformers import AttentionInterface
 from pagedserve.cache.attention import AttentionBackend, AttentionMetadata
 from pagedserve.cache.attention.torch_ref import attend_over_histories
 from pagedserve.cache.cache_engine import CacheEngine
+from pagedserve.engine.kept_rows import KeptRows, keeps_rows
 from pagedserve.engine.latent_attention import PagedLatentCache
-from pagedserve.scheduler import SchedulerOutput
+from pagedserve.scheduler import ScheduledRequest, SchedulerOutput
 
 ATTN_IMPLEMENTATION = "pagedserve"
 
@@ -35,6 +36,10 @@ class PagedContext:
     sliding_windows: tuple[int | None, ...]  # per group, as the block manager frees blocks
     backend: AttentionBackend
     is_latent: bool = False  # MLA: K/V arrive expanded from the latent histories (see below)
+    # The rows the last decoder layer computes, where it can compute fewer (engine/kept_rows.py)
+    kept: KeptRows | None = None
+    # Metadata of the queries where they are a subset of the stored rows (kept rows); else `metas`
+    query_metas: tuple[AttentionMetadata, ...] | None = None
 
     def group_for(self, layer_idx: int, sliding_window: int | None) -> int:
         """The layer's cache group, checked against the window the layer attends with: the
@@ -81,6 +86,8 @@ def paged_attention_forward(
     if paged_context.is_latent:  # the latent was stored by PagedLatentCache.update already
         return attend_over_histories(query, key, value, meta, scale).unsqueeze(0), None
     backend.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    if paged_context.query_metas is not None:  # the queries are some of the stored rows
+        meta = paged_context.query_metas[group]
     options = dict(sliding_window=sliding_window, softcap=softcap, sinks=s_aux)
     out = backend.forward(query, key_cache, value_cache, meta, scale, **options)
     return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
@@ -135,6 +142,7 @@ class PreparedBatch:
     metas: tuple[AttentionMetadata, ...]  # one per layer group
     # [num_sampling_rows + num_prompt_logprob_rows]: see `_logits_indices`
     logits_indices: Tensor
+    kept: KeptRows | None = None  # where the last layer computes only the logits rows
 
 
 class ModelRunner:
@@ -149,6 +157,7 @@ class ModelRunner:
         self.device = cache_engine.device
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         check_paged_attention_support(model)
+        self.keeps_rows = keeps_rows(model)
 
     def prepare(self, plan: SchedulerOutput) -> PreparedBatch:
         input_ids: list[int] = []
@@ -162,7 +171,7 @@ class ModelRunner:
             seq_lens.append(scheduled.seq_len)
 
         def tensor(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
+            return _tensor(values, dtype, self.device)
 
         shared = dict(
             query_start_loc=tensor(query_start_loc, torch.int32),
@@ -174,16 +183,27 @@ class ModelRunner:
                 slot_mapping=tensor(
                     [slot for s in plan.requests for slot in s.slot_mappings[group]], torch.int64
                 ),
-                block_tables=tensor(_padded_block_tables(plan, group), torch.int32),
+                block_tables=tensor(_padded_block_tables(plan.requests, group), torch.int32),
                 **shared,
             )
             for group in range(len(self.cache_engine.spec.groups))
         )
+        logits_indices = _logits_indices(plan)
+        kept = None
+        if self.keeps_rows and (counts := _kept_counts(plan)) is not None:
+            kept = KeptRows(
+                rows=tensor(logits_indices, torch.int64),
+                metas=tuple(
+                    _kept_meta(plan, counts, group, self.device)
+                    for group in range(len(self.cache_engine.spec.groups))
+                ),
+            )
         return PreparedBatch(
             input_ids=tensor(input_ids, torch.int64).unsqueeze(0),
             position_ids=tensor(positions, torch.int64).unsqueeze(0),
             metas=metas,
-            logits_indices=tensor(_logits_indices(plan), torch.int64),
+            logits_indices=tensor(logits_indices, torch.int64),
+            kept=kept,
         )
 
     @torch.inference_mode()
@@ -198,6 +218,7 @@ class ModelRunner:
             engine.spec.sliding_windows,
             self.backend,
             is_latent=engine.spec.latent,
+            kept=batch.kept,
         )
         # MLA writes its latent through `cache.update`: give it the paged latent cache.
         latent_cache = {}
@@ -207,7 +228,8 @@ class ModelRunner:
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
             use_cache=False,
-            logits_to_keep=batch.logits_indices,
+            # the last layer returned the logits rows alone, in order: keep all (0) of them
+            logits_to_keep=0 if batch.kept is not None else batch.logits_indices,
             paged_context=context,
             **latent_cache,
         )
@@ -233,10 +255,46 @@ def _logits_indices(plan: SchedulerOutput) -> list[int]:
     return sampling_rows + prompt_rows
 
 
-def _padded_block_tables(plan: SchedulerOutput, group: int) -> list[list[int]]:
+def _kept_counts(plan: SchedulerOutput) -> list[int] | None:
+    """How many last rows of each sequence's chunk the last layer keeps (its sampling rows: the
+    last token's and its drafts'), or None where it should compute every row: no row would be
+    skipped (a decode step), none kept (a chunk in the middle of a prompt), or prompt-logprob rows
+    are scored (rows anywhere in a prompt, not a suffix of its chunk)."""
+    if any(s.prompt_logprob_rows for s in plan.requests):
+        return None
+    counts = [1 + len(s.draft_token_ids) if s.needs_sample else 0 for s in plan.requests]
+    if not 0 < sum(counts) < sum(s.num_new_tokens for s in plan.requests):
+        return None
+    return counts
+
+
+def _kept_meta(
+    plan: SchedulerOutput, counts: list[int], group: int, device: torch.device
+) -> AttentionMetadata:
+    """Attention metadata whose queries are the kept rows: the sequences that keep any, each with
+    its kept rows as its query (the last ones of its chunk, so causality holds as it is), its
+    context length and block table as in the step. No slots: the step's K/V are stored already."""
+    requests = [s for s, count in zip(plan.requests, counts, strict=True) if count]
+    query_start_loc = [0]
+    for count in filter(None, counts):
+        query_start_loc.append(query_start_loc[-1] + count)
+    return AttentionMetadata(
+        slot_mapping=_tensor([], torch.int64, device),
+        block_tables=_tensor(_padded_block_tables(requests, group), torch.int32, device),
+        query_start_loc=_tensor(query_start_loc, torch.int32, device),
+        seq_lens=_tensor([s.seq_len for s in requests], torch.int32, device),
+        max_query_len=max(counts),
+    )
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _padded_block_tables(requests: list[ScheduledRequest], group: int) -> list[list[int]]:
     """Rows of one group's block tables, padded with block 0; a released entry (NULL_BLOCK) also
     reads as block 0: it lies outside the layer's window, so no kernel loads it."""
-    rows = [[max(block, 0) for block in s.block_tables[group]] for s in plan.requests]
+    rows = [[max(block, 0) for block in s.block_tables[group]] for s in requests]
     width = max(len(row) for row in rows)
     return [row + [0] * (width - len(row)) for row in rows]
 
