@@ -6,7 +6,11 @@
 
 The fixed workload (64 requests, prompts of 32-512 real tokens, 128 greedy output tokens each,
 EOS ignored) runs through vLLM's offline `LLM` in a subprocess of its own venv (installed there
-if missing: its pinned transformers differs from ours) and through our `LLM` in this process.
+if missing: its pinned transformers differs from ours) and through our `LLM` in a fresh process
+of ours (spawned), each round: neither engine inherits the other's or its own earlier state, and
+this process never holds a model, so vLLM's defaults, which refuse to start unless 92% of memory
+is available, can start in every round (in-process, our first round left too little for its
+second).
 Mode `equal`: each dtype with the same KV budget for both (`VLLM_CPU_KVCACHE_SPACE` GiB and
 `kv_cache_memory`); mode `defaults`: each engine as it starts with no settings. vLLM is bound to
 every core (`VLLM_CPU_OMP_THREADS_BIND=0-N`); pagedserve uses torch's default threads (all
@@ -28,12 +32,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +235,22 @@ def run_ours(
     return result
 
 
+def run_ours_in_a_fresh_process(
+    args: argparse.Namespace, mode: str, dtype: str | None, prompts: list[list[int]]
+) -> dict[str, Any]:
+    """`run_ours` in a spawned process of its own, which exits after the round (module docstring)."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_run_ours_child, args, mode, dtype, prompts).result()
+
+
+def _run_ours_child(
+    args: argparse.Namespace, mode: str, dtype: str | None, prompts: list[list[int]]
+) -> dict[str, Any]:
+    set_num_threads(args.threads)
+    return run_ours(args, mode, dtype, prompts)
+
+
 def add_rates(rows: list[dict[str, Any]]) -> None:
     """Tokens per second, and pagedserve / vLLM on output tok/s for the same mode, dtype and round."""
     for row in rows:
@@ -334,7 +356,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             if python is not None:
                 vllm_row = run_vllm(python, args, mode, dtype, prompts)
                 rows += [vllm_row] if vllm_row else []
-            rows.append(run_ours(args, mode, dtype, prompts))
+            rows.append(run_ours_in_a_fresh_process(args, mode, dtype, prompts))
             for row in rows[first_new:]:  # progress: a full run takes tens of minutes
                 row["round"] = round_number
                 print(
