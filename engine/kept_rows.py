@@ -23,8 +23,9 @@ logprob rows (any rows of a prompt, not a suffix), or that keeps none (a chunk i
 long prompt) runs the layer whole, as Hugging Face's forward.
 
 The kept rows compute the same formula as in the whole layer; only their matmuls run with fewer
-rows, which may pick another kernel (the panel kernel below 129 rows) and so sum in another order:
-float32 rounding, as any batch size already gives. Swapped where that is all it changes:
+rows, which may pick another kernel (the panel kernel up to 128 rows) and so sum in another
+order: float32 rounding (in bfloat16, an output on a rounding boundary may round the other way), as
+any batch size already gives. Swapped where that is all it changes:
 - the model's last decoder layer, whose class's `forward` is, to the character,
   `LlamaDecoderLayer.forward` (Mistral, Qwen2/3 and others copy it);
 - whose attention is a `FusedAttention` (engine/fused_attention.py), which can attend with a
