@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from pagedserve.cache.attention import AttentionMetadata
 from pagedserve.engine.fused_attention import FusedAttention
 from pagedserve.engine.module_swap import has_forward_of
+from pagedserve.scheduler import SchedulerOutput
 
 
 def computes_llama_decoder_layer(cls: type) -> bool:
@@ -125,3 +127,52 @@ class KeptRows:
 
     rows: Tensor  # [num_kept] int64, into the step's flattened tokens
     metas: tuple[AttentionMetadata, ...]
+
+
+def kept_rows(
+    plan: SchedulerOutput,
+    logits_indices: list[int],
+    block_tables: list[list[list[int]]],
+    device: torch.device,
+) -> KeptRows | None:
+    """The step's kept rows and their attention metadata, or None where the layer should run
+    whole. `block_tables`: per cache group, the step's padded block-table rows (one per sequence).
+    Each kept sequence's query is its kept rows (the last ones of its chunk, so causality holds as
+    it is), with its context length and block table as in the step; no slots, since the step's
+    K/V are stored through its own metadata."""
+    counts = _kept_counts(plan)
+    if counts is None:
+        return None
+
+    def tensor(values: list, dtype: torch.dtype) -> Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    kept = [i for i, count in enumerate(counts) if count]
+    query_start_loc = [0]
+    for i in kept:
+        query_start_loc.append(query_start_loc[-1] + counts[i])
+    seq_lens = tensor([plan.requests[i].seq_len for i in kept], torch.int32)
+    metas = tuple(
+        AttentionMetadata(
+            slot_mapping=tensor([], torch.int64),
+            block_tables=tensor([tables[i] for i in kept], torch.int32),
+            query_start_loc=tensor(query_start_loc, torch.int32),
+            seq_lens=seq_lens,
+            max_query_len=max(counts),
+        )
+        for tables in block_tables
+    )
+    return KeptRows(rows=tensor(logits_indices, torch.int64), metas=metas)
+
+
+def _kept_counts(plan: SchedulerOutput) -> list[int] | None:
+    """How many last rows of each sequence's chunk the last layer keeps (its sampling rows: the
+    last token's and its drafts'), or None where it should compute every row: no row would be
+    skipped (a decode step), none kept (a chunk in the middle of a prompt), or prompt-logprob rows
+    are scored (rows anywhere in a prompt, not a suffix of its chunk)."""
+    if any(s.prompt_logprob_rows for s in plan.requests):
+        return None
+    counts = [1 + len(s.draft_token_ids) if s.needs_sample else 0 for s in plan.requests]
+    if not 0 < sum(counts) < sum(s.num_new_tokens for s in plan.requests):
+        return None
+    return counts

@@ -36,16 +36,8 @@ from pagedserve.engine.fused_norm import can_fuse_norms, fuse_rms_norms
 from pagedserve.engine.kept_rows import keep_rows_in_last_layer
 from pagedserve.engine.packed_linear import can_pack, can_pack_float32, pack_linears
 from pagedserve.engine.panel_linear import swap_in_panel_linears
-from pagedserve.engine.skinny_linear import (
-    SkinnyLinear,
-    can_use_skinny_linears,
-    use_skinny_linears,
-)
-from pagedserve.engine.widened_linear import (
-    can_widen_linears,
-    widen_linears,
-    widened_weight_mib,
-)
+from pagedserve.engine.skinny_linear import SkinnyLinear, can_use_skinny_linears, use_skinny_linears
+from pagedserve.engine.widened_linear import can_widen_linears, widen_linears, widened_weight_mib
 
 logger = logging.getLogger(__name__)
 

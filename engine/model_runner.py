@@ -18,7 +18,7 @@ from transformers import AttentionInterface
 from pagedserve.cache.attention import AttentionBackend, AttentionMetadata
 from pagedserve.cache.attention.torch_ref import attend_over_histories
 from pagedserve.cache.cache_engine import CacheEngine
-from pagedserve.engine.kept_rows import KeptRows, keeps_rows
+from pagedserve.engine.kept_rows import KeptRows, keeps_rows, kept_rows
 from pagedserve.engine.latent_attention import PagedLatentCache
 from pagedserve.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -171,8 +171,12 @@ class ModelRunner:
             seq_lens.append(scheduled.seq_len)
 
         def tensor(values: list, dtype: torch.dtype) -> Tensor:
-            return _tensor(values, dtype, self.device)
+            return torch.tensor(values, dtype=dtype, device=self.device)
 
+        tables = [
+            _padded_block_tables(plan.requests, group)
+            for group in range(len(self.cache_engine.spec.groups))
+        ]
         shared = dict(
             query_start_loc=tensor(query_start_loc, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32),
@@ -180,24 +184,14 @@ class ModelRunner:
         )
         metas = tuple(
             AttentionMetadata(
-                slot_mapping=tensor(
-                    [slot for s in plan.requests for slot in s.slot_mappings[group]], torch.int64
-                ),
-                block_tables=tensor(_padded_block_tables(plan.requests, group), torch.int32),
+                slot_mapping=tensor(slots, torch.int64),
+                block_tables=tensor(rows, torch.int32),
                 **shared,
             )
-            for group in range(len(self.cache_engine.spec.groups))
+            for slots, rows in zip(_slot_mappings(plan, len(tables)), tables, strict=True)
         )
         logits_indices = _logits_indices(plan)
-        kept = None
-        if self.keeps_rows and (counts := _kept_counts(plan)) is not None:
-            kept = KeptRows(
-                rows=tensor(logits_indices, torch.int64),
-                metas=tuple(
-                    _kept_meta(plan, counts, group, self.device)
-                    for group in range(len(self.cache_engine.spec.groups))
-                ),
-            )
+        kept = kept_rows(plan, logits_indices, tables, self.device) if self.keeps_rows else None
         return PreparedBatch(
             input_ids=tensor(input_ids, torch.int64).unsqueeze(0),
             position_ids=tensor(positions, torch.int64).unsqueeze(0),
@@ -255,40 +249,9 @@ def _logits_indices(plan: SchedulerOutput) -> list[int]:
     return sampling_rows + prompt_rows
 
 
-def _kept_counts(plan: SchedulerOutput) -> list[int] | None:
-    """How many last rows of each sequence's chunk the last layer keeps (its sampling rows: the
-    last token's and its drafts'), or None where it should compute every row: no row would be
-    skipped (a decode step), none kept (a chunk in the middle of a prompt), or prompt-logprob rows
-    are scored (rows anywhere in a prompt, not a suffix of its chunk)."""
-    if any(s.prompt_logprob_rows for s in plan.requests):
-        return None
-    counts = [1 + len(s.draft_token_ids) if s.needs_sample else 0 for s in plan.requests]
-    if not 0 < sum(counts) < sum(s.num_new_tokens for s in plan.requests):
-        return None
-    return counts
-
-
-def _kept_meta(
-    plan: SchedulerOutput, counts: list[int], group: int, device: torch.device
-) -> AttentionMetadata:
-    """Attention metadata whose queries are the kept rows: the sequences that keep any, each with
-    its kept rows as its query (the last ones of its chunk, so causality holds as it is), its
-    context length and block table as in the step. No slots: the step's K/V are stored already."""
-    requests = [s for s, count in zip(plan.requests, counts, strict=True) if count]
-    query_start_loc = [0]
-    for count in filter(None, counts):
-        query_start_loc.append(query_start_loc[-1] + count)
-    return AttentionMetadata(
-        slot_mapping=_tensor([], torch.int64, device),
-        block_tables=_tensor(_padded_block_tables(requests, group), torch.int32, device),
-        query_start_loc=_tensor(query_start_loc, torch.int32, device),
-        seq_lens=_tensor([s.seq_len for s in requests], torch.int32, device),
-        max_query_len=max(counts),
-    )
-
-
-def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
+def _slot_mappings(plan: SchedulerOutput, num_groups: int) -> list[list[int]]:
+    """Per cache group, the slot of each of the step's tokens, in batch order."""
+    return [[slot for s in plan.requests for slot in s.slot_mappings[g]] for g in range(num_groups)]
 
 
 def _padded_block_tables(requests: list[ScheduledRequest], group: int) -> list[list[int]]:
