@@ -96,9 +96,9 @@ def can_keep_rows(model: nn.Module) -> bool:
 
 def keep_rows_in_last_layer(model: nn.Module) -> bool:
     """Swap the last decoder layer for a `KeptRowsDecoderLayer` where eligible; returns whether."""
-    layers = _decoder_layers(model)
-    if not layers or not _eligible(layers[-1]):
+    if not can_keep_rows(model):
         return False
+    layers = _decoder_layers(model)
     layers[-1] = KeptRowsDecoderLayer(layers[-1])
     return True
 
@@ -131,15 +131,16 @@ class KeptRows:
 
 def kept_rows(
     plan: SchedulerOutput,
-    logits_indices: list[int],
+    logits_indices: Tensor,
     block_tables: list[list[list[int]]],
     device: torch.device,
 ) -> KeptRows | None:
     """The step's kept rows and their attention metadata, or None where the layer should run
-    whole. `block_tables`: per cache group, the step's padded block-table rows (one per sequence).
-    Each kept sequence's query is its kept rows (the last ones of its chunk, so causality holds as
-    it is), with its context length and block table as in the step; no slots, since the step's
-    K/V are stored through its own metadata."""
+    whole. `logits_indices`: the step's (the kept rows, in order). `block_tables`: per cache
+    group, the step's padded block-table rows (one per sequence). Each kept sequence's query is
+    its kept rows (the last ones of its chunk, so causality holds as it is), with its context
+    length and block table as in the step; no slots, since the step's K/V are stored through its
+    own metadata."""
     counts = _kept_counts(plan)
     if counts is None:
         return None
@@ -162,7 +163,7 @@ def kept_rows(
         )
         for tables in block_tables
     )
-    return KeptRows(rows=tensor(logits_indices, torch.int64), metas=metas)
+    return KeptRows(rows=logits_indices, metas=metas)
 
 
 def _kept_counts(plan: SchedulerOutput) -> list[int] | None:

@@ -190,13 +190,13 @@ class ModelRunner:
             )
             for slots, rows in zip(_slot_mappings(plan, len(tables)), tables, strict=True)
         )
-        logits_indices = _logits_indices(plan)
+        logits_indices = tensor(_logits_indices(plan), torch.int64)
         kept = kept_rows(plan, logits_indices, tables, self.device) if self.keeps_rows else None
         return PreparedBatch(
             input_ids=tensor(input_ids, torch.int64).unsqueeze(0),
             position_ids=tensor(positions, torch.int64).unsqueeze(0),
             metas=metas,
-            logits_indices=tensor(logits_indices, torch.int64),
+            logits_indices=logits_indices,
             kept=kept,
         )
 
