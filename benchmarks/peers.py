@@ -17,6 +17,11 @@ every core (`VLLM_CPU_OMP_THREADS_BIND=0-N`); pagedserve uses torch's default th
 cores); `--threads N` gives each engine N cores instead. Timed:
 `generate` over the whole workload after an untimed warm-up (start-up excluded for both).
 
+Before each timed run the harness waits until the machine is idle and the hypervisor takes no
+CPU time from it (`host_quiet.py`: after vLLM's defaults, which touch ~20 GiB, the host of a VM
+took 10-15% of the next ~20 s), and each run records the share the hypervisor took while timed
+(`steal_share`).
+
 `--rounds N` runs each mode and dtype N times, the engines alternating (vLLM, pagedserve, vLLM,
 ...), and reports each system's median time and the median of the rounds' ratios: on a shared VM
 one run of either engine can be 10% off its neighbour (two single runs of the same bfloat16
@@ -43,6 +48,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from pagedserve.benchmarks.host_quiet import read_cpu_ticks, steal_share, wait_for_quiet_host
 from pagedserve.benchmarks.workload import (
     RESULTS_DIR,
     add_workload_args,
@@ -80,6 +86,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-venv", type=Path, default=Path.home() / "venv-vllm")
     parser.add_argument(
         "--no-install-vllm", action="store_true", help="skip vLLM if its venv lacks it"
+    )
+    parser.add_argument(
+        "--max-quiet-wait",
+        type=float,
+        default=180.0,
+        help="seconds to wait at most, before each timed run, for an idle host (0: do not wait)",
     )
     parser.add_argument("--vllm-timeout", type=int, default=3600, help="seconds per vLLM run")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "peers.json")
@@ -210,9 +222,10 @@ def run_ours(
     llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     timer = PhaseTimer(llm.engine)
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
-    start = time.perf_counter()
+    ticks, start = read_cpu_ticks(), time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
+    steal = steal_share(ticks, read_cpu_ticks())
     num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     if num_output_tokens != len(prompts) * args.output_tokens:  # e.g. requests that failed
         raise RuntimeError(
@@ -229,6 +242,7 @@ def run_ours(
         "num_prompt_tokens": sum(map(len, prompts)),
         "num_output_tokens": num_output_tokens,
         "phases": timer.phases(seconds),
+        "steal_share": steal,
     }
     del llm, engine, timer
     gc.collect()
@@ -280,7 +294,7 @@ def print_report(rows: list[dict[str, Any]], cpu: dict[str, str]) -> None:
     print(f"CPU: {cpu['cpu_model']}, {cpu['nproc']} cores, vector ISA {cpu['vector_isa']}")
     print(
         f"{'system':<16} {'mode':<9} {'dtype':<9} {'round':>5} {'KV':<13} {'s':>7} "
-        f"{'out tok/s':>10} {'total tok/s':>12} {'ratio':>7}"
+        f"{'out tok/s':>10} {'total tok/s':>12} {'ratio':>7} {'steal':>6}"
     )
     for row in rows:
         ratio = f"{row['ratio_vs_vllm']:.2f}x" if "ratio_vs_vllm" in row else "-"
@@ -288,12 +302,16 @@ def print_report(rows: list[dict[str, Any]], cpu: dict[str, str]) -> None:
             f"{row['system']:<16} {row['mode']:<9} {row['dtype']:<9} {row.get('round', 1):>5} "
             f"{row['kv_budget']:<13} "
             f"{row['seconds']:>7.1f} {row['output_tokens_per_s']:>10.1f} "
-            f"{row['total_tokens_per_s']:>12.1f} {ratio:>7}"
+            f"{row['total_tokens_per_s']:>12.1f} {ratio:>7} {_percent(row.get('steal_share')):>6}"
         )
     for row in rows:
         if "phases" in row:
             phases = ", ".join(f"{name} {s:.1f} s" for name, s in row["phases"].items())
             print(f"pagedserve {row['mode']} {row['dtype']} round {row.get('round', 1)}: {phases}")
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f}%"
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -354,14 +372,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for round_number in range(1, args.rounds + 1):
             first_new = len(rows)
             if python is not None:
+                waited = wait_for_quiet_host(timeout=args.max_quiet_wait)
                 vllm_row = run_vllm(python, args, mode, dtype, prompts)
-                rows += [vllm_row] if vllm_row else []
+                rows += [{**vllm_row, "waited_for_quiet_s": waited}] if vllm_row else []
+            waited = wait_for_quiet_host(timeout=args.max_quiet_wait)
             rows.append(run_ours_in_a_fresh_process(args, mode, dtype, prompts))
+            rows[-1]["waited_for_quiet_s"] = waited
             for row in rows[first_new:]:  # progress: a full run takes tens of minutes
                 row["round"] = round_number
                 print(
                     f"done: {row['system']} {mode} {row['dtype']} round {round_number} in "
-                    f"{row['seconds']:.1f} s",
+                    f"{row['seconds']:.1f} s (host steal {_percent(row.get('steal_share'))}, "
+                    f"waited {row['waited_for_quiet_s']:.0f} s for a quiet host before it)",
                     flush=True,
                 )
     add_rates(rows)

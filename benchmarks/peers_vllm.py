@@ -28,6 +28,17 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def read_cpu_ticks() -> tuple[int, int] | None:
+    """(steal, total) CPU ticks from /proc/stat, as pagedserve's benchmarks/host_quiet.py reads
+    them (not imported: this script runs in vLLM's venv)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7], sum(fields)) if len(fields) == 8 else None
+
+
 def main() -> None:
     args = parse_args()
     import vllm
@@ -38,14 +49,17 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
     # Untimed warm-up, as pagedserve's side gets one: first-call allocations and kernel set-up.
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2))
-    start = time.perf_counter()
+    ticks, start = read_cpu_ticks(), time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    after = read_cpu_ticks()
+    steal = (after[0] - ticks[0]) / max(1, after[1] - ticks[1]) if ticks and after else None
     model_config = llm.llm_engine.model_config
     result = {
         "vllm": vllm.__version__,
         "dtype": str(model_config.dtype).removeprefix("torch."),
         "seconds": seconds,
+        "steal_share": steal,  # of the CPU time, taken by the hypervisor while timed
         "num_prompt_tokens": sum(map(len, prompts)),
         "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
         "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs],
