@@ -36,6 +36,28 @@ def test_cpu_kernel_matches_reference_on_mixed_batch(
     matches_reference(cpu_backend, batch)
 
 
+@pytest.mark.parametrize("group_size", [1, 3])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_kernel_matches_reference_for_each_row_count_of_the_vector_path(
+    cpu_backend, paged_batch, matches_reference, group_size, head_dim
+):
+    # Items of fewer than 8 rows per kv head (tokens x group size) take the vector path, whose
+    # value pass runs up to 4 rows at a time and the rest (3, 2 or 1) in one more pass: group 1
+    # gives 1, 2, 4, 5 and 7 rows, group 3 gives 3 and 6. Odd and even key counts both.
+    query_lens = [1, 2, 4, 5, 7] if group_size == 1 else [1, 2]
+    batch = paged_batch(
+        query_lens,
+        [length + 40 + index for index, length in enumerate(query_lens)],
+        num_heads=2 * group_size,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=torch.bfloat16,
+        seed=head_dim + group_size,
+    )
+    matches_reference(cpu_backend, batch)
+
+
 def test_cpu_kernel_matches_reference_in_float16(cpu_backend, paged_batch, matches_reference):
     batch = paged_batch(
         MIXED_QUERY_LENS,
