@@ -29,7 +29,7 @@ from pagedserve.engine.module_swap import cpu_kernel_or_none
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats, RequestDelta
 from pagedserve.engine.rejection_sampler import RejectionSampler
-from pagedserve.engine.sampler import SampledBatch, Sampler, SamplingRow
+from pagedserve.engine.sampler import SampledBatch, Sampler, SamplingRow, takes_only_argmax
 from pagedserve.engine.structured_outputs import Matcher, StructuredOutputManager
 from pagedserve.scheduler import (
     Request,
@@ -199,6 +199,8 @@ class LLMEngine:
             for matcher, row_drafts in zip(self.outputs.matchers(rows), drafts, strict=True)
             for row_matcher in (matcher, *[None] * len(row_drafts))
         ]
+        if not takes_only_argmax(rows, matchers, logits.shape[0]):
+            logits = logits.float()
         self.structured.apply(logits[: len(matchers)], matchers)
         return logits
 

@@ -202,7 +202,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: PreparedBatch) -> Tensor:
-        """Logits [num_logits_rows, vocab_size] in float32, rows as `batch.logits_indices`."""
+        """Logits [num_logits_rows, vocab_size] in the model's dtype, rows as
+        `batch.logits_indices` (the engine widens them where a step needs more than argmax)."""
         engine = self.cache_engine
         context = PagedContext(
             batch.metas,
@@ -227,7 +228,7 @@ class ModelRunner:
             paged_context=context,
             **latent_cache,
         )
-        return output.logits[0].float()
+        return output.logits[0]
 
     def execute(self, plan: SchedulerOutput) -> Tensor:
         self.cache_engine.copy_blocks(plan.block_copies)

@@ -171,6 +171,19 @@ def top_alternatives(logprobs: Tensor, num_top: int) -> tuple[tuple[int, float],
     return tuple(sorted(pairs, key=lambda pair: (-pair[1], pair[0])))
 
 
+def takes_only_argmax(
+    rows: list[SamplingRow], matchers: list[object], num_logits_rows: int
+) -> bool:
+    """Whether the step takes only argmaxes (greedy rows with nothing to apply, no grammar, draft
+    or prompt-logprob rows): its logits stay in the model's dtype, which argmax_rows reads exactly
+    (widening 64 x 49,152 bfloat16 logits took ~0.9 ms a decode step). Others compute in float32."""
+    return (
+        num_logits_rows == len(rows)
+        and all(matcher is None for matcher in matchers)
+        and not any(row.needs_processing for row in rows)
+    )
+
+
 def greedy_token_ids(logits: Tensor, cpu_kernel: ModuleType | None = None) -> list[int]:
     """Each row's argmax (the first of tied maxima, as `argmax`).
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedserve.configs import SamplingParams
-from pagedserve.engine.sampler import Sampler, SamplingRow
+from pagedserve.engine.sampler import Sampler, SamplingRow, takes_only_argmax
 from tests.engine.conftest import (
     EngineRun,
     make_engine,
@@ -292,3 +292,38 @@ def test_n4_shares_prompt_blocks_then_diverges_by_copy_on_write_and_frees_everyt
             block_size=4,
         )
         assert output == alone, f"choice {index} differs from seed {77 + index} run alone"
+
+
+# ---- Logits dtype: argmax-only steps skip widening ----------------------------------------------
+
+
+def test_only_steps_that_take_nothing_but_argmaxes_skip_float32():
+    greedy = _row(SamplingParams(temperature=0))
+    assert takes_only_argmax([greedy, greedy], [None, None], num_logits_rows=2)
+    assert not takes_only_argmax([greedy], [object()], num_logits_rows=1)  # a grammar masks
+    assert not takes_only_argmax([greedy], [None], num_logits_rows=3)  # draft / prompt rows
+    with_logprobs = _row(SamplingParams(temperature=0, logprobs=2))
+    assert not takes_only_argmax([greedy, with_logprobs], [None, None], num_logits_rows=2)
+    sampled = _row(SamplingParams(temperature=0.7))
+    assert not takes_only_argmax([sampled], [None], num_logits_rows=1)
+
+
+def test_a_bfloat16_engine_samples_greedy_steps_from_bfloat16_logits(default_tokenizer):
+    loaded = make_tiny_model("llama-gqa", default_tokenizer, seed=1)
+    loaded.model.to(torch.bfloat16)
+    engine = make_engine(loaded, dtype="bfloat16")
+    dtypes: list[tuple[torch.dtype, bool]] = []
+    sample = engine.sampler.sample
+
+    def spy(logits, rows):
+        dtypes.append((logits.dtype, any(row.params.logprobs for row in rows)))
+        return sample(logits, rows)
+
+    engine.sampler.sample = spy
+    prompt = [5, 9, 14, 3]
+    engine.add_request("greedy", prompt, SamplingParams(temperature=0, max_tokens=3))
+    greedy_tokens = run_to_completion(engine).token_ids["greedy"]
+    engine.add_request("logprobs", prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=1))
+    logprob_tokens = run_to_completion(engine).token_ids["logprobs"]
+    assert dtypes == [(torch.bfloat16, False)] * 3 + [(torch.float32, True)] * 3
+    assert greedy_tokens == logprob_tokens  # argmax of bfloat16 == argmax of its float32 upcast
