@@ -7,6 +7,7 @@ depend on what else is in the batch, and an error in one row fails only that seq
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -172,7 +173,7 @@ def top_alternatives(logprobs: Tensor, num_top: int) -> tuple[tuple[int, float],
 
 
 def takes_only_argmax(
-    rows: list[SamplingRow], matchers: list[object], num_logits_rows: int
+    rows: list[SamplingRow], matchers: Sequence[object | None], num_logits_rows: int
 ) -> bool:
     """Whether the step takes only argmaxes (greedy rows with nothing to apply, no grammar, draft
     or prompt-logprob rows): its logits stay in the model's dtype, which argmax_rows reads exactly
