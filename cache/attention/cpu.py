@@ -52,7 +52,14 @@ _SOURCES = tuple(
 )
 _HEADERS = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("aten_ops.h", "bfloat16_bits.h", "row_formats.h", "tile_attention.h")
+    for name in (
+        "aten_ops.h",
+        "bfloat16_bits.h",
+        "float_tiles.h",
+        "row_formats.h",
+        "tile_attention.h",
+        "transpose.h",
+    )
 )  # part of the build key too
 # -Wno-psabi: GCC notes the ABI of wide vector returns; they never leave the file.
 # Tuples: torch appends its own libraries to the flag lists it is given, and a module-level list

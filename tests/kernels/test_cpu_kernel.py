@@ -58,6 +58,29 @@ def test_cpu_kernel_matches_reference_for_each_row_count_of_the_vector_path(
     matches_reference(cpu_backend, batch)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_kernel_matches_reference_for_each_row_count_of_the_float32_tiles(
+    cpu_backend, paged_batch, matches_reference, head_dim
+):
+    # float32 items of at least a vector of rows per kv head (tokens x group size) take
+    # float_tiles.h, whose rows are vector lanes: padded to whole vectors (AVX-512: 16 lanes,
+    # AVX2: 8), scored up to 3 (AVX2: 2) vectors of rows at a time, their value pass 6 (AVX2: 2)
+    # rows at a time plus the rest. Group 3 gives items of 18, 21, 33, 48 and 15 rows, over keys
+    # of several tiles, the last one partial.
+    query_lens = [6, 7, 11, 21]
+    batch = paged_batch(
+        query_lens,
+        [length + 100 + 7 * index for index, length in enumerate(query_lens)],
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=torch.float32,
+        seed=head_dim + 3,
+    )
+    matches_reference(cpu_backend, batch)
+
+
 def test_cpu_kernel_matches_reference_in_float16(cpu_backend, paged_batch, matches_reference):
     batch = paged_batch(
         MIXED_QUERY_LENS,

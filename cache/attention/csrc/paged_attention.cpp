@@ -32,7 +32,8 @@
 // 64 x 1,024 decode step from 2.1x to 1.4-1.7x the time of a plain read of its K/V in float32,
 // and from 4.5x to 1.3x in bfloat16 (benchmarks/RESULTS.md, "Sixth session"). Where the build
 // has AVX512_BF16, prefill items (>= kTileMinRows rows per kv head) of bfloat16 queries over a
-// bfloat16 cache take tile products instead (tile_attention.h).
+// bfloat16 cache take tile products instead (tile_attention.h); float32 prefill items (>= one
+// vector of rows per kv head, float32 queries) take float_tiles.h's, on every build.
 //
 // The cache may hold float32, bfloat16, float16 or fp8 (e4m3) values; queries and outputs are
 // float32 or bfloat16 (the output in the query's dtype), and the query may be a strided view (HF's
@@ -427,12 +428,14 @@ inline void score_row_widened(const float* q, const uint16_t* const* keys, int64
 }
 
 // acc[r] += sum_t probs[r][t] * v[t] for ROWS rows at once: each value row is loaded (and, for
-// bfloat16, widened) once for all of them instead of once per row. probs rows are kKeyTile apart.
+// bfloat16, widened) once for all of them instead of once per row. probs[r][t] is at
+// probs[r * row_step + t * key_step]: rows kKeyTile apart by default, or key-major (float_tiles.h).
 // Only the CHUNKS vectors from `column` (an element offset into each accumulator, and into each
 // value row past `offset`, where this kv head starts in the row).
 template <int CHUNKS, int ROWS, typename value_t>
 inline void accumulate_rows(const float* probs, const value_t* const* values, int64_t offset,
-                            int column, int num_keys, float* acc, int stride) {
+                            int column, int num_keys, float* acc, int stride,
+                            int row_step = kKeyTile, int key_step = 1) {
   acc += column;
   vfloat sum[ROWS][CHUNKS];
   for (int r = 0; r < ROWS; ++r)
@@ -448,7 +451,7 @@ inline void accumulate_rows(const float* probs, const value_t* const* values, in
       for (int c = 0; c < CHUNKS; ++c) value[c] = load(values[t] + offset + column + c * kLanes);
     }
     for (int r = 0; r < ROWS; ++r) {
-      const float p = probs[r * kKeyTile + t];
+      const float p = probs[r * row_step + t * key_step];
       for (int c = 0; c < CHUNKS; ++c) sum[r][c] += p * value[c];
     }
   }
@@ -482,31 +485,33 @@ constexpr int slice_chunks() {
 // `offset`: where this kv head starts in each value row.
 template <int CHUNKS, typename value_t>
 inline void accumulate_tile(const float* probs, const value_t* const* values, int64_t offset,
-                            int num_keys, float* acc, int stride, int num_rows) {
+                            int num_keys, float* acc, int stride, int num_rows,
+                            int row_step = kKeyTile, int key_step = 1) {
   constexpr int kSlice = slice_chunks<CHUNKS, value_t>();
   constexpr int kRows = rows_per_pass(kSlice);
   for (int column = 0; column < CHUNKS * kLanes; column += kSlice * kLanes) {
     int m = 0;
     for (; m + kRows <= num_rows; m += kRows) {
-      accumulate_rows<kSlice, kRows>(probs + m * kKeyTile, values, offset, column, num_keys,
-                                     acc + m * stride, stride);
+      accumulate_rows<kSlice, kRows>(probs + m * row_step, values, offset, column, num_keys,
+                                     acc + m * stride, stride, row_step, key_step);
     }
     // The remaining rows (fewer than kRows) in one pass too: a decode item has group_size rows.
-    const float* rest_probs = probs + m * kKeyTile;
+    const float* rest_probs = probs + m * row_step;
     float* rest_acc = acc + m * stride;
     switch (num_rows - m) {
       case 3:
         if constexpr (kRows > 3)
           accumulate_rows<kSlice, 3>(rest_probs, values, offset, column, num_keys, rest_acc,
-                                     stride);
+                                     stride, row_step, key_step);
         break;
       case 2:
         if constexpr (kRows > 2)
           accumulate_rows<kSlice, 2>(rest_probs, values, offset, column, num_keys, rest_acc,
-                                     stride);
+                                     stride, row_step, key_step);
         break;
       case 1:
-        accumulate_rows<kSlice, 1>(rest_probs, values, offset, column, num_keys, rest_acc, stride);
+        accumulate_rows<kSlice, 1>(rest_probs, values, offset, column, num_keys, rest_acc, stride,
+                                   row_step, key_step);
         break;
     }
   }
@@ -574,6 +579,13 @@ inline void softmax_update(float* scores, int num_keys, int stride, float* acc, 
   }
   row_sum += horizontal_sum(tile_sum);
 }
+
+#include "transpose.h"
+#include "float_tiles.h"
+
+// Items of at least this many rows per kv head (tokens x group size) over a float32 cache take
+// float_tiles.h's path: its rows fill the lanes of a vector.
+constexpr int kFloatTileMinRows = kLanes;
 
 #ifdef PAGEDSERVE_DPBF16
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -654,6 +666,13 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
     }
   }
 #endif
+  if constexpr (std::is_same_v<cache_t, float> && CHUNKS > 0) {
+    if (!p.bfloat16_io && (item.query_end - item.query_begin) * (p.num_heads / p.num_kv_heads) >=
+                              kFloatTileMinRows) {
+      float_tiles::attend_item<CHUNKS * kLanes>(p, item, head_begin, head_end);
+      return false;
+    }
+  }
   const int group_size = p.num_heads / p.num_kv_heads;
   const int head_dim = p.head_dim;
   const int chunks = CHUNKS > 0 ? CHUNKS : (head_dim + kLanes - 1) / kLanes;
