@@ -7,9 +7,11 @@ BlockManager; this class never decides which block holds what.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
+from pagedserve.cache import huge_pages
 from pagedserve.cache.cache_spec import CacheSpec
 
 logger = logging.getLogger(__name__)
@@ -38,19 +40,12 @@ class CacheEngine:
         self.device = torch.device(device)
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         dtype = KV_CACHE_DTYPES[spec.dtype]
-        # zeros, not empty: padding slots a kernel may touch must never hold NaNs.
-        self._key_tensors = [
-            torch.zeros(shape, dtype=dtype, device=self.device)
-            for _ in range(spec.layers_per_block)
-        ]
+        tensor_bytes = math.prod(shape) * dtype.itemsize
+        self.on_huge_pages = self.device.type == "cpu" and huge_pages.uses_huge_pages(tensor_bytes)
+        self._key_tensors = [self._zeros(shape, dtype) for _ in range(spec.layers_per_block)]
         # A latent cache has no V: the value views alias the latent, and are never written.
         self._value_tensors = (
-            []
-            if spec.latent
-            else [
-                torch.zeros(shape, dtype=dtype, device=self.device)
-                for _ in range(spec.layers_per_block)
-            ]
+            [] if spec.latent else [self._zeros(shape, dtype) for _ in range(spec.layers_per_block)]
         )
         placement = spec.tensor_of_layer()
         self.key_caches = [self._key_tensors[index] for _, index in placement]
@@ -59,6 +54,14 @@ class CacheEngine:
             for _, index in placement
         ]
         self.group_of_layer = [group for group, _ in placement]
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """zeros, not empty: padding slots a kernel may touch must never hold NaNs. On the CPU on
+        huge pages (cache/huge_pages.py): a step's reads through the block tables then stay
+        within a few TLB entries."""
+        if self.on_huge_pages:
+            return huge_pages.zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     @property
     def num_bytes(self) -> int:
@@ -82,7 +85,8 @@ class CacheEngine:
         return (
             f"KV cache: {self.num_blocks} blocks x {self.spec.block_size} tokens = "
             f"{num_tokens} tokens, {self.num_bytes / 2**20:.1f} MiB ({self.spec.dtype}, "
-            f"{self.spec.bytes_per_block} B/block) on {self.device}; layer groups: "
+            f"{self.spec.bytes_per_block} B/block) on {self.device}"
+            f"{' (2 MiB pages)' if self.on_huge_pages else ''}; layer groups: "
             f"{self.spec.describe_groups()}; max concurrency at max_model_len "
             f"{max_model_len}: {self.num_blocks / blocks_per_request:.1f} requests"
         )

@@ -41,6 +41,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
+from pagedserve.cache.huge_pages import copy_to_huge_pages
 from pagedserve.engine.module_swap import cpu_kernel_or_none, swap_verified, within_float32_rounding
 from pagedserve.engine.packed_linear import can_pack, can_pack_float32
 from pagedserve.engine.widened_linear import WidenedLinear, computes_linears_in_float32
@@ -62,8 +63,10 @@ class PanelLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias  # the same Parameter as the fallback's, added after the kernel
         self.max_rows = max_rows
-        # Not part of the state dict: a layout of the fallback's weight, made again at load.
-        self.register_buffer("panels", kernel.pack_panels(linear.weight.detach()), persistent=False)
+        # Not part of the state dict: a layout of the fallback's weight, made again at load. On
+        # huge pages (cache/huge_pages.py): every decode step streams all panels from memory.
+        panels = copy_to_huge_pages(kernel.pack_panels(linear.weight.detach()))
+        self.register_buffer("panels", panels, persistent=False)
         self.fallback = linear
         self._kernel = kernel
 
