@@ -57,7 +57,7 @@ def uses_huge_pages(num_bytes: int) -> bool:
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """An uninitialised contiguous CPU tensor, on huge pages where `uses_huge_pages`."""
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    num_bytes = math.prod(shape) * dtype.itemsize
     if not uses_huge_pages(num_bytes):
         return torch.empty(shape, dtype=dtype)
     # One huge page more than needed, to start the tensor on a 2 MiB boundary: a huge page must

@@ -195,8 +195,8 @@ void attend_head(const Problem<float>& p, const WorkItem& item, int kv_head, Hea
     const bool sink = p.sinks != nullptr && r < rows.num_rows;  // a key of logit sink, value 0
     rows.row_max[r] = sink ? p.sinks[head_of(r)] : minus_inf;
     rows.row_sum[r] = sink ? 1.0f : 0.0f;
-    rows.query_rows[r] = static_cast<const float*>(p.query) + token_of(real) * p.query_token_stride +
-                    head_of(real) * p.query_head_stride;
+    rows.query_rows[r] = static_cast<const float*>(p.query) +
+                         token_of(real) * p.query_token_stride + head_of(real) * p.query_head_stride;
   }
   // Q^T a block of kLanes rows x kLanes dims at a time, in registers: packed row by row, each
   // store went to another cache line, a fifth of the item's time. Padding rows repeat the last.

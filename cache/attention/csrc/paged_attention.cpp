@@ -485,33 +485,31 @@ constexpr int slice_chunks() {
 // `offset`: where this kv head starts in each value row.
 template <int CHUNKS, typename value_t>
 inline void accumulate_tile(const float* probs, const value_t* const* values, int64_t offset,
-                            int num_keys, float* acc, int stride, int num_rows,
-                            int row_step = kKeyTile, int key_step = 1) {
+                            int num_keys, float* acc, int stride, int num_rows) {
   constexpr int kSlice = slice_chunks<CHUNKS, value_t>();
   constexpr int kRows = rows_per_pass(kSlice);
   for (int column = 0; column < CHUNKS * kLanes; column += kSlice * kLanes) {
     int m = 0;
     for (; m + kRows <= num_rows; m += kRows) {
-      accumulate_rows<kSlice, kRows>(probs + m * row_step, values, offset, column, num_keys,
-                                     acc + m * stride, stride, row_step, key_step);
+      accumulate_rows<kSlice, kRows>(probs + m * kKeyTile, values, offset, column, num_keys,
+                                     acc + m * stride, stride);
     }
     // The remaining rows (fewer than kRows) in one pass too: a decode item has group_size rows.
-    const float* rest_probs = probs + m * row_step;
+    const float* rest_probs = probs + m * kKeyTile;
     float* rest_acc = acc + m * stride;
     switch (num_rows - m) {
       case 3:
         if constexpr (kRows > 3)
           accumulate_rows<kSlice, 3>(rest_probs, values, offset, column, num_keys, rest_acc,
-                                     stride, row_step, key_step);
+                                     stride);
         break;
       case 2:
         if constexpr (kRows > 2)
           accumulate_rows<kSlice, 2>(rest_probs, values, offset, column, num_keys, rest_acc,
-                                     stride, row_step, key_step);
+                                     stride);
         break;
       case 1:
-        accumulate_rows<kSlice, 1>(rest_probs, values, offset, column, num_keys, rest_acc, stride,
-                                   row_step, key_step);
+        accumulate_rows<kSlice, 1>(rest_probs, values, offset, column, num_keys, rest_acc, stride);
         break;
     }
   }
