@@ -82,10 +82,8 @@ class FusedAttention(nn.Module):
         self.o_proj = attention.o_proj
         self._kernel = kernel
 
-    def rotated_qkv(self, hidden_states: Tensor, cos: Tensor, sin: Tensor) -> list[Tensor]:
-        """q, k and v as the module has them before attention: [batch, heads, tokens, head_dim]
-        views of one projection, q and k rotated."""
-        qkv = self.qkv_proj(hidden_states)
+    def rotate(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """Rotate the q and k heads of a [q; k; v] projection's output in place."""
         self._kernel.rope_(
             qkv.view(-1, qkv.shape[-1]),
             cos.reshape(-1, self.head_dim),
@@ -93,6 +91,12 @@ class FusedAttention(nn.Module):
             self.rotated_heads,
             self.head_dim,
         )
+
+    def rotated_qkv(self, hidden_states: Tensor, cos: Tensor, sin: Tensor) -> list[Tensor]:
+        """q, k and v as the module has them before attention: [batch, heads, tokens, head_dim]
+        views of one projection, q and k rotated."""
+        qkv = self.qkv_proj(hidden_states)
+        self.rotate(qkv, cos, sin)
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         return [
             part.view(hidden_shape).transpose(1, 2) for part in qkv.split(self.split_sizes, dim=-1)

@@ -219,6 +219,12 @@ class CpuPagedAttention:
         self._kernel = load_cpu_kernel(self.isa)
         self._reference: TorchPagedAttention | None = None  # for heads the kernel cannot take
 
+    @property
+    def kernel(self) -> ModuleType:
+        """The C++ module: engine/direct_layer.py calls its store and attention itself where
+        `store_kv` and `forward` would pass their arguments through unchanged."""
+        return self._kernel
+
     def store_kv(
         self,
         key: Tensor,
