@@ -36,7 +36,7 @@ from pagedserve.engine.fused_attention import FusedAttention
 from pagedserve.engine.fused_mlp import FusedMLP
 from pagedserve.engine.fused_norm import FusedRMSNorm
 from pagedserve.engine.kept_rows import computes_llama_decoder_layer
-from pagedserve.engine.module_swap import swap_children
+from pagedserve.engine.module_swap import is_fusable_cpu_model, swap_children
 
 if TYPE_CHECKING:
     from pagedserve.engine.model_runner import PagedContext
@@ -109,6 +109,11 @@ class DirectDecoderLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return "kernels called directly in plain paged steps"
+
+
+def can_use_direct_layers(model: nn.Module) -> bool:
+    """float32 and bfloat16 CPU models (those the fused modules it builds on apply to)."""
+    return is_fusable_cpu_model(model)
 
 
 def use_direct_layers(model: nn.Module) -> int:

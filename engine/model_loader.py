@@ -30,7 +30,7 @@ from transformers import (
 from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16
 from pagedserve.cache.cache_engine import TORCH_DTYPES
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
-from pagedserve.engine.direct_layer import use_direct_layers
+from pagedserve.engine.direct_layer import can_use_direct_layers, use_direct_layers
 from pagedserve.engine.fused_attention import can_fuse_attention, fuse_attention
 from pagedserve.engine.fused_mlp import can_fuse_mlps, fuse_mlps
 from pagedserve.engine.fused_norm import can_fuse_norms, fuse_rms_norms
@@ -245,7 +245,8 @@ def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> No
     if can_fuse_norms(model):
         logger.info("fused %d RMSNorm layers", fuse_rms_norms(model))
     _swap_float32_linears(model, float32_linear, panels=panels == torch.float32)
-    if direct := use_direct_layers(model):  # after the swaps of its norms, attention and MLP
+    # After the swaps of the norms, attention and MLPs that it calls directly
+    if can_use_direct_layers(model) and (direct := use_direct_layers(model)):
         logger.info("%d decoder layers call the kernels directly in plain paged steps", direct)
 
 

@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from pagedserve.configs import SamplingParams
-from pagedserve.engine.direct_layer import DirectDecoderLayer, use_direct_layers
+from pagedserve.engine.direct_layer import (
+    DirectDecoderLayer,
+    can_use_direct_layers,
+    use_direct_layers,
+)
 from pagedserve.engine.fused_attention import fuse_attention
 from pagedserve.engine.fused_mlp import fuse_mlps
 from pagedserve.engine.fused_norm import fuse_rms_norms
@@ -116,6 +120,8 @@ def test_outside_the_engine_the_layer_is_hugging_faces(default_tokenizer):
 
 def test_only_llama_layers_over_the_fused_modules_are_swapped(default_tokenizer):
     unfused = make_tiny_model("llama-gqa", default_tokenizer).model
+    assert can_use_direct_layers(unfused) and not can_use_direct_layers(unfused.half())
+    unfused.float()
     assert use_direct_layers(unfused) == 0, "its norms, attention and MLP are Hugging Face's"
     loaded = _fused("llama-gqa", default_tokenizer)
     model = loaded.model
