@@ -14,14 +14,14 @@ float32 144.6 -> 141.9 ms (4.1 ms).
 The same modules and kernels run in the same order, so the outputs are the module path's bit
 for bit (tests/engine/test_direct_layer.py). Where a call is not the plain case (no paged context,
 MLA, kept rows, a backend other than the CPU kernel, K/V the store would convert to another cache
-dtype, a head the kernel does not take, training mode), the layer runs Hugging Face's forward of
+dtype, training mode), the layer runs Hugging Face's forward of
 its original class on the same submodules.
 
 Swapped where that is all it changes:
 - a layer whose class's `forward` is, to the character, `LlamaDecoderLayer.forward` (so not the
   last layer where it computes only the kept rows, engine/kept_rows.py);
 - whose norms are `FusedRMSNorm`, attention `FusedAttention` and MLP `FusedMLP` (each verified
-  against the module it replaced when it was swapped in).
+  against the module it replaced when it was swapped in), with a head the kernel takes.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pagedserve.engine.fused_attention import FusedAttention
 from pagedserve.engine.fused_mlp import FusedMLP
 from pagedserve.engine.fused_norm import FusedRMSNorm
 from pagedserve.engine.kept_rows import computes_llama_decoder_layer
-from pagedserve.engine.module_swap import is_fusable_cpu_model, swap_children
+from pagedserve.engine.module_swap import adopt_layer, is_fusable_cpu_model, swap_children
 
 if TYPE_CHECKING:
     from pagedserve.engine.model_runner import PagedContext
@@ -49,12 +49,7 @@ class DirectDecoderLayer(nn.Module):
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
-        for name, value in vars(layer).items():
-            if not name.startswith("_") and name != "training":
-                setattr(self, name, value)
-        for name, child in layer.named_children():  # in their order: the same state dict
-            setattr(self, name, child)
-        self.train(layer.training)
+        adopt_layer(self, layer)
         # Hugging Face's forward of the original class, for every other call. The class wraps it
         # for gradient checkpointing (GradientCheckpointingLayer), a wrapper that reads training
         # attributes this module lacks: the function it wraps is taken.
@@ -76,7 +71,6 @@ class DirectDecoderLayer(nn.Module):
         key_cache = context.key_caches[attention.layer_idx]
         return (
             isinstance(context.backend, CpuPagedAttention)
-            and attention.head_dim <= MAX_HEAD_DIM
             and hidden_states.dtype in KERNEL_QUERY_DTYPES
             and key_cache.dtype == hidden_states.dtype
             and not self.training
@@ -127,8 +121,11 @@ def use_direct_layers(model: nn.Module) -> int:
 
 
 def _eligible(layer: nn.Module) -> bool:
-    return computes_llama_decoder_layer(type(layer)) and all(
-        isinstance(getattr(layer, name, None), kind) for name, kind in _SUBMODULES.items()
+    """Llama's formula over the fused modules, with a head the kernel takes."""
+    return (
+        computes_llama_decoder_layer(type(layer))
+        and all(isinstance(getattr(layer, name, None), kind) for name, kind in _SUBMODULES.items())
+        and layer.self_attn.head_dim <= MAX_HEAD_DIM
     )
 
 

@@ -42,7 +42,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from pagedserve.cache.attention import AttentionMetadata
 from pagedserve.engine.fused_attention import FusedAttention
-from pagedserve.engine.module_swap import has_forward_of
+from pagedserve.engine.module_swap import adopt_layer, has_forward_of
 from pagedserve.scheduler import SchedulerOutput
 
 
@@ -58,13 +58,7 @@ class KeptRowsDecoderLayer(nn.Module):
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
-        for name, value in vars(layer).items():
-            if not name.startswith("_") and name != "training":
-                setattr(self, name, value)
-        self.input_layernorm = layer.input_layernorm
-        self.self_attn = layer.self_attn
-        self.post_attention_layernorm = layer.post_attention_layernorm
-        self.mlp = layer.mlp
+        adopt_layer(self, layer)
 
     def forward(self, hidden_states: Tensor, **kwargs: object) -> Tensor:
         """`LlamaDecoderLayer.forward`'s formula; with kept rows in the context, from the attention

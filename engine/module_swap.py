@@ -146,6 +146,18 @@ def swap_verified(
     return swap_children(model, replace)
 
 
+def adopt_layer(target: nn.Module, layer: nn.Module) -> None:
+    """Give `target`, a module standing in for `layer`, its plain attributes (models read e.g.
+    `attention_type` off their layers), training mode and submodules in their order (the same
+    state dict)."""
+    for name, value in vars(layer).items():
+        if not name.startswith("_") and name != "training":
+            setattr(target, name, value)
+    for name, child in layer.named_children():
+        setattr(target, name, child)
+    target.train(layer.training)
+
+
 def swap_children(model: nn.Module, replace: Callable[[str, nn.Module], nn.Module | None]) -> int:
     """Set each submodule to `replace(name, submodule)` where that is not None; returns how many.
 
