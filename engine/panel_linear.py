@@ -18,11 +18,18 @@ benchmarks/RESULTS.md, "Seventeenth session"):
 
 So every decoder linear sends 1-MAX_ROWS rows to the kernel, where the host's build is AVX-512:
 the AVX2 build was level with oneDNN at 64 rows (0.98x), so AVX2 hosts keep oneDNN and the
-skinny kernel. The LM head stays as it was (at 64 rows the kernel was 0.89x oneDNN's there), and
-so do float32 models under `--cpu-float32-linear mkl`, which asks for Hugging Face's exact sums.
-At one float32 row the skinny kernel is a little faster still (14.4 against 16.3 ms), but keeping
-it for every layer beside the panels would keep a third copy of each weight: panel hosts give it
-the head only.
+skinny kernel. float32 models under `--cpu-float32-linear mkl`, which asks for Hugging Face's exact
+sums, keep their linears. At one float32 row the skinny kernel is a little faster still (14.4
+against 16.3 ms), but keeping it for every layer beside the panels would keep a third copy of each
+weight: panel hosts give it the head only.
+
+The LM head (the default model's 49,152 x 576, tied to the embeddings) takes the kernel in
+bfloat16 too: cold weights, two threads, Zen 4, oneDNN against the kernel 2.03 -> 1.15 ms at one
+row, 1.69 -> 1.14 at 4, 3.08 -> 2.50 at 16, 9.34 -> 8.81 at 64, 17.6 -> 17.2 at 128; whole decode
+steps at batch 1 11.66 -> 10.49 ms, at batch 64 0.4 ms less (benchmarks/RESULTS.md,
+"Twenty-seventh session"). Its panels are one more copy of the head's weight (57 MB there). A
+float32 head keeps the skinny kernel and oneDNN: the panels were 1.14x at one row and 1.05x at 64
+there, for another 113 MB copy.
 
 Each swapped layer keeps its packed copy for prefill batches: the panels are a second copy of the
 weight, logged at load. bfloat16 layers with a bias are left alone (the kernel rounds its sums to
@@ -101,14 +108,14 @@ def panel_dtype(model: nn.Module, float32_linear: str = "auto") -> torch.dtype |
 def use_panel_linears(
     model: nn.Module, dtype: torch.dtype, kernel: ModuleType | None = None
 ) -> int:
-    """Swap every `nn.Linear` of `dtype` but the LM head for a `PanelLinear` whose fallback is that
-    layer; returns how many. Call it before the layers are packed (packing then packs each
-    fallback). A layer whose kernel output is not within rounding of its own on a probe is left
-    as it is (and logged)."""
+    """Swap every `nn.Linear` of `dtype` for a `PanelLinear` whose fallback is that layer (the LM
+    head only in bfloat16: module docstring); returns how many. Call it before the layers are
+    packed (packing then packs each fallback). A layer whose kernel output is not within rounding
+    of its own on a probe is left as it is (and logged)."""
     kernel = kernel or cpu_kernel_or_none("the panel linears")
     if kernel is None:
         return 0
-    head = _head_linear(model)
+    head = _head_linear(model) if dtype == torch.float32 else None
 
     def panel(child: nn.Module) -> PanelLinear | None:
         if type(child) is not nn.Linear or child is head or child.weight.dtype != dtype:

@@ -1,8 +1,9 @@
 """The panel linear kernel: within float32 rounding of `F.linear` (bfloat16: within one rounding of
 the output) at every row count, on every ISA build the host runs, for K and N that end in a
 partial vector or panel; it refuses what it cannot compute; the module sends 1-MAX_ROWS rows to
-the kernel and the rest to its fallback; the loader's swap covers every decoder linear but the LM
-head, packing then packs the fallbacks, and references get Hugging Face's linears back."""
+the kernel and the rest to its fallback; the loader's swap covers every decoder linear (and the LM
+head in bfloat16, not in float32), packing then packs the fallbacks, and references get Hugging
+Face's linears back."""
 
 from __future__ import annotations
 
@@ -175,6 +176,31 @@ def test_the_swap_covers_every_linear_but_the_head_and_packing_packs_the_fallbac
         assert not any(isinstance(m, (PanelLinear, PackedLinear)) for m in model.modules())
     assert all(isinstance(swapped[name], PanelLinear) for name in linears if name != "lm_head")
     assert use_panel_linears(model, torch.float32) == 0  # nothing plain left
+
+
+@pytest.mark.parametrize("isa", BF16_KERNELS)
+def test_a_bfloat16_swap_covers_the_head_too_and_packing_packs_its_fallback(isa, default_tokenizer):
+    model, linears, probe, _ = tiny_linears_and_logits(default_tokenizer)
+    model = model.to(torch.bfloat16)
+    if not can_pack(model):
+        pytest.skip("no native bf16 here: bfloat16 linears are widened, not packed")
+    with torch.inference_mode():
+        expected = model(probe).logits
+    assert use_panel_linears(model, torch.bfloat16, load_cpu_kernel(isa)) == len(linears)
+    assert isinstance(model.lm_head, PanelLinear)
+    assert pack_linears(model) == len(linears)  # each fallback, the head's included
+    assert isinstance(model.lm_head.fallback, PackedLinear)
+    calls: list[int] = []
+    model.lm_head._kernel = CountingKernel(model.lm_head._kernel, calls)
+    with torch.inference_mode():
+        got = model(probe).logits
+    assert calls == [24]
+    # Every layer's sums in another order, each output within one bfloat16 rounding: the logits
+    # move by a few bfloat16 steps at most, nowhere near a wrong layer's difference.
+    assert (got.float() - expected.float()).abs().max() <= 0.1 * expected.float().abs().max()
+    with torch.inference_mode():  # the head alone: within one rounding of F.linear
+        hidden = torch.randn(5, model.config.hidden_size).to(torch.bfloat16)
+        assert_close_to_f_linear(model.lm_head(hidden), hidden, linears["lm_head"].weight)
 
 
 def test_which_models_get_panels(default_tokenizer):
