@@ -219,8 +219,9 @@ def test_cpu_kernel_reads_strided_queries_in_place_with_the_bits_of_a_contiguous
         query.float().contiguous(), *kernel_args, 0.125, 0, 0.0, None
     ).to(dtype)
     assert actual.dtype == dtype and actual.is_contiguous()
-    if kernel.bf16_dot_products and dtype == torch.bfloat16 and kv_dtype is None:
-        # bfloat16 queries over a bfloat16 cache take AVX512_BF16 dot products (unwidened keys):
+    bf16_keys = kv_dtype is None or kernel.fp8_as_bf16  # bfloat16 rows, read or converted
+    if kernel.bf16_dot_products and dtype == torch.bfloat16 and bf16_keys:
+        # bfloat16 queries over bfloat16 keys take AVX512_BF16 dot products (unwidened keys):
         # the bits of a contiguous bfloat16 call, and a float32 query's result to bfloat16 rounding.
         contiguous = kernel.paged_attention(query.contiguous(), *kernel_args, 0.125, 0, 0.0, None)
         assert torch.equal(actual, contiguous)
@@ -287,6 +288,39 @@ def test_cpu_kernel_widens_every_fp8_value_exactly(cpu_backend):
     expected = value_cache.float().view(4, 64)[meta.block_tables[:, 0].long()]
     assert torch.equal(output.view(4, 64).isnan(), expected.isnan())
     assert torch.equal(output.view(4, 64).nan_to_num(), expected.nan_to_num())
+
+
+def test_cpu_kernel_scores_every_fp8_key_value_exactly(cpu_backend):
+    # Request r sees two keys: key 0 holds fp8 bit pattern r in dim 0, key 1 is zero; the query is
+    # dim 0's unit vector (scale 1), so the scores are (k, 0) and the output, with values e0 and
+    # e1, is (sigmoid(k), 1 - sigmoid(k)): a key decoded to any other value moves it. One request
+    # per fp8 bit pattern, head size 64 (the table path's whole vectors); the two NaN patterns
+    # (0x7f, 0xff) only have to stay out of the other rows (the value test decodes them).
+    num_requests, head_dim = 256, 64
+    key_cache = torch.zeros(num_requests, 2, 1, head_dim, dtype=torch.float8_e4m3fn)
+    every_fp8 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    key_cache[:, 0, 0, 0] = every_fp8
+    value_cache = torch.zeros_like(key_cache)
+    value_cache[:, 0, 0, 0] = 1.0
+    value_cache[:, 1, 0, 1] = 1.0
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(num_requests, dtype=torch.int64),
+        block_tables=torch.randperm(num_requests, generator=torch.Generator().manual_seed(0))
+        .int()
+        .view(num_requests, 1),
+        query_start_loc=torch.arange(num_requests + 1, dtype=torch.int32),
+        seq_lens=torch.full((num_requests,), 2, dtype=torch.int32),
+        max_query_len=1,
+    )
+    query = torch.zeros(num_requests, 1, head_dim)
+    query[:, 0, 0] = 1.0
+    output = cpu_backend.forward(query, key_cache, value_cache, meta, 1.0).view(num_requests, -1)
+    keys = key_cache[meta.block_tables[:, 0].long(), 0, 0, 0].float()
+    expected = torch.sigmoid(keys)
+    finite = ~keys.isnan()
+    assert finite.sum() == 254
+    torch.testing.assert_close(output[finite, 0], expected[finite], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(output[finite, 1], 1 - expected[finite], rtol=1e-6, atol=1e-6)
 
 
 def test_cpu_backend_falls_back_to_the_reference_for_heads_beyond_the_kernel(
@@ -367,7 +401,9 @@ def test_cpu_kernel_lets_no_stale_slot_into_a_result(cpu_backend, paged_batch, d
     assert torch.equal(actual, expected)
 
 
-def test_native_build_uses_bf16_products_and_amx_tiles_where_the_cpu_has_them(cpu_backend):
+def test_native_build_uses_bf16_products_fp8_tables_and_amx_tiles_where_the_cpu_has_them(
+    cpu_backend,
+):
     # A native build on a CPU with AVX512_BF16 scores bfloat16 keys by vdpbf16ps and runs bfloat16
     # prefill items as tile products (tile_attention.h), on AMX tiles where the CPU has AMX_BF16
     # and Linux grants the tile state (5.16 and later): a build that silently lost either path
@@ -376,6 +412,8 @@ def test_native_build_uses_bf16_products_and_amx_tiles_where_the_cpu_has_them(cp
 
     native = cpu_backend.isa == "native"
     assert cpu_backend._kernel.bf16_dot_products is (native and "avx512_bf16" in host_cpu_flags())
+    # fp8 rows are converted to bfloat16 by byte-table lookups where the build has AVX512_VBMI.
+    assert cpu_backend._kernel.fp8_as_bf16 is (native and "avx512vbmi" in host_cpu_flags())
     amx_host = native and "amx_bf16" in host_cpu_flags()
     if not amx_host:
         assert cpu_backend._kernel.amx_tiles is False

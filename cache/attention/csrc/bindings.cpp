@@ -20,6 +20,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                            const c10::optional<at::Tensor>& sinks);
 int vector_lanes();
 bool bf16_dot_products();
+bool fp8_as_bf16();
 bool amx_tiles();
 // rms_norm.cpp, silu_mul.cpp, rope.cpp, skinny_linear.cpp, panel_linear.cpp, store_kv.cpp and
 // greedy.cpp
@@ -43,6 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.attr("vector_lanes") = vector_lanes();  // what the build targets: 16 (AVX-512) or 8 (AVX2)
   m.attr("bf16_dot_products") = bf16_dot_products();  // AVX512_BF16 scores and prefill tiles
+  m.attr("fp8_as_bf16") = fp8_as_bf16();  // fp8 rows read as bfloat16 rows (AVX512_VBMI)
   m.attr("amx_tiles") = amx_tiles();  // bfloat16 prefill items on AMX tiles
   m.def("paged_attention", &paged_attention, py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("query_start_loc"),

@@ -26,8 +26,10 @@
 // float32 rows of whole vectors are read in place. bfloat16 values are widened in registers as
 // the value pass loads them, even and odd dims apart (load_widened_pairs); bfloat16 keys are read
 // unwidened by AVX512_BF16 dot products where the build has them and the query is bfloat16
-// (score_row_dpbf16), else widened in registers the same way (score_row_widened); float16 and
-// fp8 rows are widened into a small float32 buffer (zero-padded to whole vectors). On a 2-core
+// (score_row_dpbf16), else widened in registers the same way (score_row_widened). fp8 rows are
+// converted to bfloat16 rows a tile at a time by table lookups where the build has AVX512_VBMI
+// (Fp8ToBf16) and then read as a bfloat16 cache's are; elsewhere they and float16 rows are
+// widened into a small float32 buffer (zero-padded to whole vectors). On a 2-core
 // AMD EPYC (Zen 4) these changes, the value pass over several rows and L2 prefetching took a
 // 64 x 1,024 decode step from 2.1x to 1.4-1.7x the time of a plain read of its K/V in float32,
 // and from 4.5x to 1.3x in bfloat16 (benchmarks/RESULTS.md, "Sixth session"). Where the build
@@ -105,6 +107,36 @@ inline vuint zero_extend(const uint8_t* bytes) {
   return words;
 }
 
+#if defined(__F16C__) && (PAGEDSERVE_LANES == 8 || defined(__AVX512F__))
+typedef uint16_t vhalfwords __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+// kLanes fp8 values to float through float16. Shifted left by 7 in a 16-bit lane, e4m3's exponent
+// and mantissa (eeee mmm) sit in float16's low exponent bits and top mantissa bits: the float16 is
+// the fp8 value times 2^-8 (exponent bias 15 against 7), subnormals included, which F16C's
+// conversion widens exactly in hardware; times 2^8 (exact) is the value. The sign, then at bit 14,
+// moves to 15 by adding bit 14 to itself. 9 instructions per vector where the float32 route below
+// takes 13: a 64 x 1,024 decode step over an fp8 cache ran 1.2x faster in the AVX-512 build and
+// 1.35x in the AVX2 build (2-core Zen 4; benchmarks/RESULTS.md, twenty-eighth session).
+inline vfloat widen(const Fp8E4M3* src) {
+  vhalfwords word;
+  for (int i = 0; i < kLanes; ++i) word[i] = src[i].bits;  // one vpmovzxbw (GCC 12)
+  vhalfwords bits = word << 7;
+  bits += bits & 0x4000;
+  bits = (word & 0x7F) == 0x7F ? vhalfwords{} + 0x7E00 : bits;  // 0x7f / 0xff: NaN
+  vfloat value;
+#if PAGEDSERVE_LANES == 16
+  __m256i halves;
+  std::memcpy(&halves, &bits, sizeof(halves));
+  const __m512 widened = _mm512_cvtph_ps(halves);
+#else
+  __m128i halves;
+  std::memcpy(&halves, &bits, sizeof(halves));
+  const __m256 widened = _mm256_cvtph_ps(halves);
+#endif
+  std::memcpy(&value, &widened, sizeof(value));
+  return value * 256.0f;
+}
+#else
 // kLanes fp8 values to float, explicitly vectorised (GCC left a scalar version's selects scalar, ~6x
 // slower). Normal values: exponent and mantissa moved to float32's positions, exponent rebiased
 // from 7 to 127 by integer addition. Subnormals (exponent 0) are mantissa * 2^-9. Both are exact,
@@ -125,6 +157,7 @@ inline vfloat widen(const Fp8E4M3* src) {
   const vfloat nan = vfloat{} + std::numeric_limits<float>::quiet_NaN();
   return magnitude == 0x7Fu ? nan : signed_value;  // 0x7f / 0xff
 }
+#endif
 
 template <typename cache_t>
 inline void widen_row(const cache_t* src, float* dst, int n) {
@@ -147,6 +180,72 @@ inline void widen_row(const cache_t* src, float* dst, int n) {
     for (int i = 0; i < n; ++i) dst[i] = widen(src[i]);
   }
 }
+
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && PAGEDSERVE_LANES == 16
+#define PAGEDSERVE_FP8_AS_BF16 1
+// The bfloat16 bits of an fp8 e4m3 magnitude (its low 7 bits): every e4m3 value is exact in
+// bfloat16, subnormals (m * 2^-9) as bfloat16 normals; 0x7f is NaN.
+constexpr uint16_t fp8_magnitude_to_bf16(int magnitude) {
+  const int exponent = magnitude >> 3, mantissa = magnitude & 7;
+  if (magnitude == 0x7F) return 0x7FC0;
+  if (exponent > 0) return static_cast<uint16_t>(((exponent + 120) << 7) | (mantissa << 4));
+  if (mantissa == 0) return 0;
+  int scaled = mantissa, power = -9;  // value = scaled * 2^power, normalised to scaled in [8, 16)
+  while (scaled < 8) {
+    scaled <<= 1;
+    --power;
+  }
+  return static_cast<uint16_t>(((power + 3 + 127) << 7) | ((scaled - 8) << 4));
+}
+
+// fp8 rows to bfloat16 rows, 64 values at a time, by table lookups (AVX512_VBMI): the high and
+// the low byte of each value's bfloat16 come from a 128-entry byte table each (vpermi2b, one
+// instruction per 64 lookups), the sign is or-ed into the high byte, and two unpacks interleave
+// the bytes into words: 9 instructions per 64 values, where widening them to float32 takes ~40.
+// The rows are then read as a bfloat16 cache's are (dot products, widening in registers): a 64 x
+// 1,024 decode step over an fp8 cache ran 1.8x faster with bfloat16 queries and 1.6x with float32
+// ones than widened to float32 (2-core Zen 4; benchmarks/RESULTS.md, twenty-eighth session).
+class Fp8ToBf16 {
+ public:
+  Fp8ToBf16() {
+    alignas(64) uint8_t high[128], low[128], order[64];
+    for (int i = 0; i < 128; ++i) {
+      high[i] = static_cast<uint8_t>(fp8_magnitude_to_bf16(i) >> 8);
+      low[i] = static_cast<uint8_t>(fp8_magnitude_to_bf16(i) & 0xFF);
+    }
+    // The unpacks work within 128-bit lanes: lane L of the low unpack takes input bytes 16L..16L+7
+    // and of the high unpack 16L+8..16L+15. Reordered first, so that the words come out in order.
+    for (int lane = 0; lane < 4; ++lane) {
+      for (int j = 0; j < 8; ++j) {
+        order[16 * lane + j] = static_cast<uint8_t>(8 * lane + j);
+        order[16 * lane + 8 + j] = static_cast<uint8_t>(32 + 8 * lane + j);
+      }
+    }
+    high_[0] = _mm512_load_si512(high);
+    high_[1] = _mm512_load_si512(high + 64);
+    low_[0] = _mm512_load_si512(low);
+    low_[1] = _mm512_load_si512(low + 64);
+    order_ = _mm512_load_si512(order);
+  }
+
+  // n: a multiple of 64.
+  void operator()(const Fp8E4M3* src, uint16_t* dst, int n) const {
+    for (int i = 0; i < n; i += 64) {
+      const __m512i bytes = _mm512_permutexvar_epi8(order_, _mm512_loadu_si512(src + i));
+      const __m512i magnitude_high = _mm512_permutex2var_epi8(high_[0], bytes, high_[1]);
+      const __m512i low = _mm512_permutex2var_epi8(low_[0], bytes, low_[1]);
+      // high = magnitude_high | (bytes & 0x80): the sign (truth table A | (B & C) = 0xF8).
+      const __m512i high =
+          _mm512_ternarylogic_epi32(magnitude_high, bytes, _mm512_set1_epi8(-128), 0xF8);
+      _mm512_storeu_si512(dst + i, _mm512_unpacklo_epi8(low, high));
+      _mm512_storeu_si512(dst + i + 32, _mm512_unpackhi_epi8(low, high));
+    }
+  }
+
+ private:
+  __m512i high_[2], low_[2], order_;
+};
+#endif
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -711,11 +810,20 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
   // float32 rows of whole vectors are read in place; bfloat16 values are widened in registers
   // (whole vectors, compile-time head sizes); anything else is widened (and zero-padded) first.
   constexpr bool kBf16Cache = std::is_same_v<cache_t, at::BFloat16>;
+  // fp8 rows converted to bfloat16 rows a tile at a time (Fp8ToBf16), then read as a bfloat16
+  // cache's are; elsewhere fp8 rows are widened to float32 like float16's.
+#ifdef PAGEDSERVE_FP8_AS_BF16
+  constexpr bool kFp8AsBf16 =
+      std::is_same_v<cache_t, Fp8E4M3> && CHUNKS > 0 && CHUNKS * kLanes % 64 == 0;
+#else
+  constexpr bool kFp8AsBf16 = false;
+#endif
   const bool read_in_place = std::is_same_v<cache_t, float> && head_dim % kLanes == 0;
-  const bool bf16_values_in_place = kBf16Cache && CHUNKS > 0;
+  const bool bf16_values = (kBf16Cache || kFp8AsBf16) && CHUNKS > 0;  // read as bfloat16 rows
 #ifdef PAGEDSERVE_DPBF16
-  // bfloat16 queries over a bfloat16 cache: q . k by AVX512_BF16 dot products, keys unwidened.
-  const bool dpbf16_scores = kBf16Cache && CHUNKS > 0 && CHUNKS % 2 == 0 && p.bfloat16_io;
+  // bfloat16 queries over bfloat16 rows: q . k by AVX512_BF16 dot products, keys unwidened.
+  const bool dpbf16_scores =
+      (kBf16Cache || kFp8AsBf16) && CHUNKS > 0 && CHUNKS % 2 == 0 && p.bfloat16_io;
 #else
   const bool dpbf16_scores = false;
 #endif
@@ -724,13 +832,18 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
   // registers as they are scored (score_row_widened); under a prefill chunk's many rows, widening
   // each key once into the float32 tile is cheaper than once per row (one 1,024-token chunk took
   // 15-21% longer widened per row, AVX-512 and AVX2 builds).
-  const bool widened_scores = bf16_values_in_place && !dpbf16_scores && head_rows <= 8;
-  const bool keys_in_place = read_in_place || dpbf16_scores || widened_scores;
-  const bool values_in_place = read_in_place || bf16_values_in_place;
+  const bool widened_scores = bf16_values && !dpbf16_scores && head_rows <= 8;
+  const bool bf16_keys = dpbf16_scores || widened_scores;  // keys read as bfloat16 rows
+  const bool keys_in_place = read_in_place || (kBf16Cache && bf16_keys);
+  const bool values_in_place = read_in_place || (kBf16Cache && bf16_values);
   // Widened rows, zero-padded to `stride` (only where rows are not read in place).
-  std::vector<float> key_tile(keys_in_place ? 0 : static_cast<size_t>(kKeyTile) * stride, 0.0f);
-  std::vector<float> value_tile(values_in_place ? 0 : static_cast<size_t>(kKeyTile) * stride,
-                                0.0f);
+  const bool float_keys = !keys_in_place && !(kFp8AsBf16 && bf16_keys);
+  std::vector<float> key_tile(float_keys ? static_cast<size_t>(kKeyTile) * stride : 0, 0.0f);
+  std::vector<float> value_tile(
+      values_in_place || kFp8AsBf16 ? 0 : static_cast<size_t>(kKeyTile) * stride, 0.0f);
+  // fp8 rows converted to bfloat16 (kFp8AsBf16), `stride` apart.
+  std::vector<uint16_t> bf16_key_tile(kFp8AsBf16 && bf16_keys ? kKeyTile * stride : 0);
+  std::vector<uint16_t> bf16_value_tile(kFp8AsBf16 ? kKeyTile * stride : 0);
 
   // The query rows as dpbf16_scores reads them: bfloat16, unscaled, zero-padded to `stride`.
   std::vector<uint16_t> q_bf16(dpbf16_scores ? static_cast<size_t>(num_rows) * stride : 0, 0);
@@ -853,7 +966,26 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
     const int row0 = (head - head_begin) * head_rows;  // this kv head's first row
     const int64_t key_offset = keys_in_place ? head_offset : 0;
     const int64_t value_offset = values_in_place ? head_offset : 0;
-    if (!keys_in_place) {
+    if constexpr (kFp8AsBf16) {
+#ifdef PAGEDSERVE_FP8_AS_BF16
+      static const Fp8ToBf16 to_bf16;
+      for (int t = 0; t < tile_keys; ++t) {
+        const int64_t row = tile_rows[tile][t] + head_offset;
+        if (bf16_keys) {
+          uint16_t* key = bf16_key_tile.data() + t * stride;
+          to_bf16(p.key_cache + row, key, head_dim);
+          bf16_key_rows[t] = key;
+        } else {
+          float* key = key_tile.data() + t * stride;
+          widen_row(p.key_cache + row, key, head_dim);
+          key_rows[t] = key;
+        }
+        uint16_t* value = bf16_value_tile.data() + t * stride;
+        to_bf16(p.value_cache + row, value, head_dim);
+        bf16_value_rows[t] = value;
+      }
+#endif
+    } else if (!keys_in_place) {
       for (int t = 0; t < tile_keys; ++t) {
         const int64_t row = tile_rows[tile][t] + head_offset;
         float* key = key_tile.data() + t * stride;
@@ -899,7 +1031,7 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
       } else
 #endif
       if (widened_scores) {
-        if constexpr (kBf16Cache && CHUNKS > 0) {  // as widened_scores implies
+        if constexpr ((kBf16Cache || kFp8AsBf16) && CHUNKS > 0) {  // as widened_scores implies
           score_row_widened<CHUNKS>(q.data() + static_cast<size_t>(m) * stride, bf16_key_rows,
                                     key_offset, visible, scores, before_group);
         }
@@ -919,7 +1051,7 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
     const float* head_probs = probs.data() + static_cast<size_t>(row0) * kKeyTile;
     float* head_acc = acc.data() + static_cast<size_t>(row0) * stride;
     if constexpr (CHUNKS > 0) {
-      if (bf16_values_in_place) {
+      if (bf16_values) {
         accumulate_tile<CHUNKS>(head_probs, bf16_value_rows, value_offset, tile_keys, head_acc,
                                 stride, head_rows);
       } else {
@@ -959,7 +1091,7 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
     const float* row = acc.data() + static_cast<size_t>(m) * stride;
     const int64_t offset = (token_of(m) * p.num_heads + head_of(m)) * head_dim;
     // bfloat16 value rows were accumulated in pair order (load_widened_pairs): dims back in place.
-    auto at = [&](int d) { return bf16_values_in_place ? row[pair_order_index(d)] : row[d]; };
+    auto at = [&](int d) { return bf16_values ? row[pair_order_index(d)] : row[d]; };
     if (p.bfloat16_io) {
       uint16_t* out = static_cast<uint16_t*>(p.output) + offset;
       for (int d = 0; d < head_dim; ++d) out[d] = pagedserve::float_to_bf16(at(d) * inverse_sum);
@@ -1141,6 +1273,16 @@ int vector_lanes() { return kLanes; }  // 16 (AVX-512) or 8 (AVX2)
 // (tile_attention.h).
 bool bf16_dot_products() {
 #ifdef PAGEDSERVE_DPBF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+// fp8 rows converted to bfloat16 by table lookups (Fp8ToBf16, AVX512_VBMI) rather than widened to
+// float32.
+bool fp8_as_bf16() {
+#ifdef PAGEDSERVE_FP8_AS_BF16
   return true;
 #else
   return false;
