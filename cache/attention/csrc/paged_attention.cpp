@@ -34,7 +34,8 @@
 // 64 x 1,024 decode step from 2.1x to 1.4-1.7x the time of a plain read of its K/V in float32,
 // and from 4.5x to 1.3x in bfloat16 (benchmarks/RESULTS.md, "Sixth session"). Where the build
 // has AVX512_BF16, prefill items (>= kTileMinRows rows per kv head) of bfloat16 queries over a
-// bfloat16 cache take tile products instead (tile_attention.h); float32 prefill items (>= one
+// bfloat16 cache (or an fp8 one, converted as the tiles are packed, where the build has
+// AVX512_VBMI) take tile products instead (tile_attention.h); float32 prefill items (>= one
 // vector of rows per kv head, float32 queries) take float_tiles.h's, on every build.
 //
 // The cache may hold float32, bfloat16, float16 or fp8 (e4m3) values; queries and outputs are
@@ -221,11 +222,28 @@ class Fp8ToBf16 {
         order[16 * lane + 8 + j] = static_cast<uint8_t>(32 + 8 * lane + j);
       }
     }
+    alignas(64) uint8_t interleave[64];  // word i = low byte i, high byte i (from the 2nd source)
+    for (int i = 0; i < 32; ++i) {
+      interleave[2 * i] = static_cast<uint8_t>(i);
+      interleave[2 * i + 1] = static_cast<uint8_t>(64 + i);
+    }
     high_[0] = _mm512_load_si512(high);
     high_[1] = _mm512_load_si512(high + 64);
     low_[0] = _mm512_load_si512(low);
     low_[1] = _mm512_load_si512(low + 64);
     order_ = _mm512_load_si512(order);
+    interleave_ = _mm512_load_si512(interleave);
+  }
+
+  // 32 values as one vector of bfloat16, in order (the prefill tiles' packing reads 32 at a time).
+  __m512i convert32(const Fp8E4M3* src) const {
+    const __m512i bytes = _mm512_zextsi256_si512(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(src)));
+    const __m512i magnitude_high = _mm512_permutex2var_epi8(high_[0], bytes, high_[1]);
+    const __m512i low = _mm512_permutex2var_epi8(low_[0], bytes, low_[1]);
+    const __m512i high =
+        _mm512_ternarylogic_epi32(magnitude_high, bytes, _mm512_set1_epi8(-128), 0xF8);
+    return _mm512_permutex2var_epi8(low, interleave_, high);
   }
 
   // n: a multiple of 64.
@@ -243,8 +261,13 @@ class Fp8ToBf16 {
   }
 
  private:
-  __m512i high_[2], low_[2], order_;
+  __m512i high_[2], low_[2], order_, interleave_;
 };
+
+inline const Fp8ToBf16& fp8_to_bf16() {
+  static const Fp8ToBf16 converter;
+  return converter;
+}
 #endif
 
 inline vfloat load(const float* p) {
@@ -694,11 +717,12 @@ constexpr int kFloatTileMinRows = kLanes;
 // products run on groups of 16 rows, and a decode token's few rows would leave most of them empty.
 constexpr int kTileMinRows = 8;
 
-// A prefill item over a bfloat16 cache with bfloat16 queries as tile products (tile_attention.h),
-// one kv head after the other: on AMX where the build has it and Linux grants the tile state,
-// else by AVX512_BF16 dot products. Same rows, keys and options as attend_item.
-template <int HEAD_DIM>
-void attend_item_tiles(const Problem<at::BFloat16>& p, const WorkItem& item, int head_begin,
+// A prefill item over a bfloat16 cache (or an fp8 one, converted as the tiles are packed, where
+// the build has PAGEDSERVE_FP8_AS_BF16) with bfloat16 queries as tile products
+// (tile_attention.h), one kv head after the other: on AMX where the build has it and Linux grants
+// the tile state, else by AVX512_BF16 dot products. Same rows, keys and options as attend_item.
+template <int HEAD_DIM, typename cache_t>
+void attend_item_tiles(const Problem<cache_t>& p, const WorkItem& item, int head_begin,
                      int head_end) {
   const int group_size = p.num_heads / p.num_kv_heads;
   const int query_start = p.query_start_loc[item.request];
@@ -730,15 +754,16 @@ void attend_item_tiles(const Problem<at::BFloat16>& p, const WorkItem& item, int
       output_rows[m] = static_cast<uint16_t*>(p.output) + (token * p.num_heads + head) * HEAD_DIM;
       if (p.sinks != nullptr) row_sinks[m] = p.sinks[head];
     }
-    task.key_cache = reinterpret_cast<const uint16_t*>(p.key_cache) + kv_head * HEAD_DIM;
-    task.value_cache = reinterpret_cast<const uint16_t*>(p.value_cache) + kv_head * HEAD_DIM;
+    task.key_cache = p.key_cache + kv_head * HEAD_DIM;
+    task.value_cache = p.value_cache + kv_head * HEAD_DIM;
+    constexpr bool kFp8 = std::is_same_v<cache_t, Fp8E4M3>;
 #ifdef PAGEDSERVE_AMX
     if (tiles::tiles_permitted()) {
-      tiles::attend_head<HEAD_DIM, tiles::AmxProducts>(task);
+      tiles::attend_head<HEAD_DIM, tiles::AmxProducts, kFp8>(task);
       continue;
     }
 #endif
-    tiles::attend_head<HEAD_DIM, tiles::VectorProducts>(task);
+    tiles::attend_head<HEAD_DIM, tiles::VectorProducts, kFp8>(task);
   }
 }
 #endif
@@ -755,7 +780,13 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
   const WorkItem& item = *task.item;
   const int head_begin = task.head_begin, head_end = task.head_end;
 #ifdef PAGEDSERVE_DPBF16
-  if constexpr (std::is_same_v<cache_t, at::BFloat16> && CHUNKS > 0 && CHUNKS * kLanes % 32 == 0) {
+#ifdef PAGEDSERVE_FP8_AS_BF16
+  constexpr bool kTileCache =
+      std::is_same_v<cache_t, at::BFloat16> || std::is_same_v<cache_t, Fp8E4M3>;
+#else
+  constexpr bool kTileCache = std::is_same_v<cache_t, at::BFloat16>;
+#endif
+  if constexpr (kTileCache && CHUNKS > 0 && CHUNKS * kLanes % 32 == 0) {
     if (p.bfloat16_io && p.block_size % 16 == 0 &&
         (item.query_end - item.query_begin) * (p.num_heads / p.num_kv_heads) >= kTileMinRows) {
       attend_item_tiles<CHUNKS * kLanes>(p, item, head_begin, head_end);
@@ -968,7 +999,7 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
     const int64_t value_offset = values_in_place ? head_offset : 0;
     if constexpr (kFp8AsBf16) {
 #ifdef PAGEDSERVE_FP8_AS_BF16
-      static const Fp8ToBf16 to_bf16;
+      const Fp8ToBf16& to_bf16 = fp8_to_bf16();
       for (int t = 0; t < tile_keys; ++t) {
         const int64_t row = tile_rows[tile][t] + head_offset;
         if (bf16_keys) {

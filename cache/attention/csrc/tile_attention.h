@@ -72,8 +72,10 @@ struct HeadTask {
   uint16_t* const* output_rows;       // bfloat16 [head_dim] each
   const float* row_sinks;             // one sink logit per row, or nullptr
   int num_rows, group_size, first_position;
-  const uint16_t* key_cache;  // at this kv head: key of slot s at key_cache + s * slot_stride
-  const uint16_t* value_cache;
+  // At this kv head: key of slot s at key_cache + s * slot_stride elements, bfloat16 or fp8
+  // (attend_head's FP8: converted to bfloat16 by Fp8ToBf16 as the tiles are packed).
+  const void* key_cache;
+  const void* value_cache;
   int64_t slot_stride;
   const int32_t* block_table;
   int block_size, first_key, num_keys, sliding_window;
@@ -84,14 +86,25 @@ struct HeadTask {
 // of 16 x 16 pairs) and their values as rows [8 * half, 8 * half + 8) of the V tiles (values_vnni:
 // head_dim/16 tiles of 16 key pairs x 16 dims); values of keys outside [valid_begin, valid_end)
 // are packed as zeros (their keys are masked by softmax_row).
-template <int HEAD_DIM>
+// 32 values of a cache row from element `offset`, as bfloat16.
+template <bool FP8>
+inline __m512i load_32(const void* cache, int64_t offset) {
+#ifdef PAGEDSERVE_FP8_AS_BF16
+  if constexpr (FP8) return fp8_to_bf16().convert32(static_cast<const Fp8E4M3*>(cache) + offset);
+#else
+  static_assert(!FP8, "fp8 tiles need PAGEDSERVE_FP8_AS_BF16");
+#endif
+  return _mm512_loadu_si512(static_cast<const uint16_t*>(cache) + offset);
+}
+
+template <int HEAD_DIM, bool FP8>
 inline void pack_16_keys(const HeadTask& task, int64_t slot0, int half, int valid_begin,
                          int valid_end, uint32_t (*keys_t)[16][16],
                          uint16_t (*values_vnni)[16][32]) {
   for (int c = 0; c < HEAD_DIM / 32; ++c) {
     __m512i rows[16];
     for (int n = 0; n < 16; ++n)
-      rows[n] = _mm512_loadu_si512(task.key_cache + (slot0 + n) * task.slot_stride + c * 32);
+      rows[n] = load_32<FP8>(task.key_cache, (slot0 + n) * task.slot_stride + c * 32);
     transpose_16x16(rows);
     for (int r = 0; r < 16; ++r) _mm512_store_si512(keys_t[c][r], rows[r]);
   }
@@ -107,12 +120,12 @@ inline void pack_16_keys(const HeadTask& task, int64_t slot0, int half, int vali
     const int a = 2 * pair, b = a + 1;
     const bool a_valid = a >= valid_begin && a < valid_end;
     const bool b_valid = b >= valid_begin && b < valid_end;
-    const uint16_t* value_a = task.value_cache + (slot0 + a) * task.slot_stride;
-    const uint16_t* value_b = task.value_cache + (slot0 + b) * task.slot_stride;
+    const int64_t value_a = (slot0 + a) * task.slot_stride;
+    const int64_t value_b = (slot0 + b) * task.slot_stride;
     for (int c = 0; c < HEAD_DIM / 32; ++c) {
       const __m512i zero = _mm512_setzero_si512();
-      const __m512i va = a_valid ? _mm512_loadu_si512(value_a + c * 32) : zero;
-      const __m512i vb = b_valid ? _mm512_loadu_si512(value_b + c * 32) : zero;
+      const __m512i va = a_valid ? load_32<FP8>(task.value_cache, value_a + c * 32) : zero;
+      const __m512i vb = b_valid ? load_32<FP8>(task.value_cache, value_b + c * 32) : zero;
       const int row = 8 * half + pair;
       _mm512_store_si512(values_vnni[2 * c][row], _mm512_permutex2var_epi16(va, low, vb));
       _mm512_store_si512(values_vnni[2 * c + 1][row], _mm512_permutex2var_epi16(va, high, vb));
@@ -121,7 +134,7 @@ inline void pack_16_keys(const HeadTask& task, int64_t slot0, int half, int vali
 }
 
 // Packs the keys [key_base, key_base + 32) of the task, as zeros past num_keys.
-template <int HEAD_DIM>
+template <int HEAD_DIM, bool FP8>
 inline void pack_span(const HeadTask& task, int key_base,
                       uint32_t (*keys_t)[HEAD_DIM / 32][16][16],
                       uint16_t (*values_vnni)[16][32]) {
@@ -134,7 +147,7 @@ inline void pack_span(const HeadTask& task, int key_base,
     }
     const int64_t slot0 = static_cast<int64_t>(task.block_table[begin / task.block_size]) *
                               task.block_size + begin % task.block_size;
-    pack_16_keys<HEAD_DIM>(task, slot0, half, task.first_key - begin, task.num_keys - begin,
+    pack_16_keys<HEAD_DIM, FP8>(task, slot0, half, task.first_key - begin, task.num_keys - begin,
                            keys_t[half], values_vnni);
   }
 }
@@ -290,8 +303,10 @@ class VectorProducts {
 };
 
 // One kv head of a work item, on whichever Products the build and the OS allow.
-template <int HEAD_DIM, typename Products>
-void attend_head(const HeadTask& task) {
+// Out of line: inlined into an fp8 attend_item (whose decode items never come here), it made that
+// function's decode path 1.2x slower.
+template <int HEAD_DIM, typename Products, bool FP8 = false>
+__attribute__((noinline)) void attend_head(const HeadTask& task) {
   const int num_groups = (task.num_rows + 15) / 16;  // of 16 rows, the last zero-padded
   const int padded_rows = num_groups * 16;
   std::vector<uint16_t> query(static_cast<size_t>(padded_rows) * HEAD_DIM, 0);
@@ -311,7 +326,7 @@ void attend_head(const HeadTask& task) {
   alignas(64) uint16_t probs[16][32];
   const Products products;
   for (int key_base = task.first_key / 16 * 16; key_base < task.num_keys; key_base += 32) {
-    pack_span<HEAD_DIM>(task, key_base, keys_t, values_vnni);
+    pack_span<HEAD_DIM, FP8>(task, key_base, keys_t, values_vnni);
     for (int group = 0; group < num_groups; ++group) {
       float* group_acc = acc.data() + group * 16 * HEAD_DIM;
       products.template scores<HEAD_DIM>(query.data() + group * 16 * HEAD_DIM, keys_t, scores);
