@@ -31,6 +31,14 @@ steps at batch 1 11.66 -> 10.49 ms, at batch 64 0.4 ms less (benchmarks/RESULTS.
 float32 head keeps the skinny kernel and oneDNN: the panels were 1.14x at one row and 1.05x at 64
 there, for another 113 MB copy.
 
+On a CPU with AMX (Sapphire Rapids and later) oneDNN's packed bfloat16 linear multiplies decode
+batches on AMX tiles, and the kernel, built on AVX512_BF16 dot products, is faster at one row only.
+The 120 decoder linears, cold weights, two threads, Sapphire Rapids, oneDNN against the kernel:
+12.7 -> 10.9 ms at 1 row, 12.5 -> 13.4 at 2, 12.4 -> 15.2 at 4, 18.6 -> 75.0 at 64 and 25.6 ->
+142.2 at 128; the head 2.42 -> 2.16 ms at 1 row, 2.39 -> 2.97 at 2, 4.02 -> 19.6 at 64
+(benchmarks/RESULTS.md, "Twenty-ninth session"). There bfloat16 layers send one row to the kernel
+and every larger batch to oneDNN (`panel_max_rows`).
+
 Each swapped layer keeps its packed copy for prefill batches: the panels are a second copy of the
 weight, logged at load. bfloat16 layers with a bias are left alone (the kernel rounds its sums to
 bfloat16 before the module adds the bias, where oneDNN adds it first and rounds once: a bias that
@@ -48,6 +56,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
+from pagedserve.cache.attention.cpu_features import host_cpu_flags
 from pagedserve.cache.huge_pages import copy_to_huge_pages
 from pagedserve.engine.module_swap import cpu_kernel_or_none, swap_verified, within_float32_rounding
 from pagedserve.engine.packed_linear import can_pack, can_pack_float32
@@ -58,6 +67,8 @@ logger = logging.getLogger(__name__)
 # The batches the kernel takes: at 128 rows it was still 1.01x (bfloat16) and 1.12x (float32)
 # oneDNN's, past that prefill sizes, where oneDNN is as fast or faster (0.92-1.02x bfloat16 at 512).
 MAX_ROWS = 128
+# bfloat16 on a CPU with AMX: one row (module docstring).
+AMX_BF16_MAX_ROWS = 1
 PANEL_LANES = 16  # the kernel is used on AVX-512 builds only (module docstring)
 
 
@@ -105,16 +116,29 @@ def panel_dtype(model: nn.Module, float32_linear: str = "auto") -> torch.dtype |
     return dtype if dtype == torch.float32 or kernel.panel_bf16 else None
 
 
+def panel_max_rows(dtype: torch.dtype, flags: frozenset[str] | None = None) -> int:
+    """The largest batch a panel linear of `dtype` sends to the kernel on a CPU with `flags`
+    (None: the host's): one row for bfloat16 where oneDNN has AMX tiles, else MAX_ROWS (module
+    docstring)."""
+    flags = host_cpu_flags() if flags is None else flags
+    return AMX_BF16_MAX_ROWS if dtype == torch.bfloat16 and "amx_bf16" in flags else MAX_ROWS
+
+
 def use_panel_linears(
-    model: nn.Module, dtype: torch.dtype, kernel: ModuleType | None = None
+    model: nn.Module,
+    dtype: torch.dtype,
+    kernel: ModuleType | None = None,
+    max_rows: int | None = None,
 ) -> int:
     """Swap every `nn.Linear` of `dtype` for a `PanelLinear` whose fallback is that layer (the LM
-    head only in bfloat16: module docstring); returns how many. Call it before the layers are
-    packed (packing then packs each fallback). A layer whose kernel output is not within rounding
-    of its own on a probe is left as it is (and logged)."""
+    head only in bfloat16: module docstring); returns how many. Each sends 1-`max_rows` rows to
+    the kernel (None: `panel_max_rows` for the host). Call it before the layers are packed
+    (packing then packs each fallback). A layer whose kernel output is not within rounding of its
+    own on a probe is left as it is (and logged)."""
     kernel = kernel or cpu_kernel_or_none("the panel linears")
     if kernel is None:
         return 0
+    max_rows = panel_max_rows(dtype) if max_rows is None else max_rows
     head = _head_linear(model) if dtype == torch.float32 else None
 
     def panel(child: nn.Module) -> PanelLinear | None:
@@ -122,10 +146,10 @@ def use_panel_linears(
             return None
         if dtype == torch.bfloat16 and (child.bias is not None or child.in_features % 2):
             return None  # module docstring
-        return PanelLinear(child, kernel)
+        return PanelLinear(child, kernel, max_rows)
 
     def agrees(linear: nn.Linear, panel: PanelLinear) -> bool:  # float32 sums, bf16 outputs
-        return within_float32_rounding(linear, panel, rows=8)
+        return within_float32_rounding(linear, panel, rows=min(8, max_rows))  # rows it computes
 
     return swap_verified(model, panel, agrees, "the panel kernel")
 
@@ -140,7 +164,7 @@ def swap_in_panel_linears(model: nn.Module, float32_linear: str = "auto") -> tor
         "%d %s linear layers run 1-%d rows through the panel kernel (%.0f MiB of panels)",
         swapped,
         str(dtype).removeprefix("torch."),
-        MAX_ROWS,
+        panel_max_rows(dtype),
         panel_weight_mib(model),
     )
     return dtype

@@ -15,10 +15,12 @@ from torch import nn
 from pagedserve.cache.attention.cpu import host_runnable_isas, load_cpu_kernel
 from pagedserve.engine.packed_linear import PackedLinear, can_pack, pack_linears
 from pagedserve.engine.panel_linear import (
+    AMX_BF16_MAX_ROWS,
     MAX_ROWS,
     PANEL_LANES,
     PanelLinear,
     panel_dtype,
+    panel_max_rows,
     panel_weight_mib,
     swap_in_panel_linears,
     use_panel_linears,
@@ -186,7 +188,8 @@ def test_a_bfloat16_swap_covers_the_head_too_and_packing_packs_its_fallback(isa,
         pytest.skip("no native bf16 here: bfloat16 linears are widened, not packed")
     with torch.inference_mode():
         expected = model(probe).logits
-    assert use_panel_linears(model, torch.bfloat16, load_cpu_kernel(isa)) == len(linears)
+    kernel = load_cpu_kernel(isa)
+    assert use_panel_linears(model, torch.bfloat16, kernel, max_rows=MAX_ROWS) == len(linears)
     assert isinstance(model.lm_head, PanelLinear)
     assert pack_linears(model) == len(linears)  # each fallback, the head's included
     assert isinstance(model.lm_head.fallback, PackedLinear)
@@ -212,9 +215,37 @@ def test_which_models_get_panels(default_tokenizer):
     bf16 = model.to(torch.bfloat16)
     native = on_avx512 and kernel.panel_bf16 and can_pack(bf16)
     assert panel_dtype(bf16) == (torch.bfloat16 if native else None)
-    if native:  # and the loader's own step swaps them
+    if native:  # and the loader's own step swaps them, each with the host's row limit
         assert swap_in_panel_linears(bf16) == torch.bfloat16
-        assert isinstance(bf16.model.layers[0].self_attn.q_proj, PanelLinear)
+        q_proj = bf16.model.layers[0].self_attn.q_proj
+        assert isinstance(q_proj, PanelLinear)
+        assert q_proj.max_rows == panel_max_rows(torch.bfloat16)
+
+
+def test_amx_hosts_send_bfloat16_decode_batches_past_one_row_to_onednn():
+    # oneDNN's AMX linear beats the kernel from two rows (module docstring); float32 and CPUs
+    # with AVX512_BF16 alone keep the kernel up to MAX_ROWS.
+    amx = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    bf16_only = frozenset({"avx512f", "avx512_bf16"})
+    assert panel_max_rows(torch.bfloat16, amx) == AMX_BF16_MAX_ROWS == 1
+    assert panel_max_rows(torch.bfloat16, bf16_only) == MAX_ROWS
+    assert panel_max_rows(torch.float32, amx) == MAX_ROWS
+    linear = nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+    model = nn.Sequential(linear)
+    kernel = load_cpu_kernel()
+    if not kernel.panel_bf16:
+        pytest.skip("this kernel build has no AVX512_BF16: no bfloat16 panels")
+    assert use_panel_linears(model, torch.bfloat16, kernel, max_rows=1) == 1
+    calls: list[int] = []
+    model[0]._kernel = CountingKernel(kernel, calls)
+    with torch.inference_mode():
+        for rows in (1, 2, 64):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            if rows > 1:  # the fallback itself
+                assert torch.equal(model(x), linear(x))
+            else:
+                assert_close_to_f_linear(model(x), x, linear.weight)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("isa", BF16_KERNELS)
