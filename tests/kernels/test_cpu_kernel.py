@@ -371,6 +371,38 @@ def test_cpu_kernel_lets_other_threads_run_python_while_it_computes(cpu_backend,
     )
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group_size", [1, 3, 16])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"sliding_window": 300}, {"softcap": 5.0}, {"sinks": "per head"}],
+    ids=["plain", "window", "softcap", "sinks"],
+)
+def test_cpu_kernel_matches_reference_on_bfloat16_decode_tokens_of_every_length(
+    cpu_backend, paged_batch, matches_reference, block_size, head_dim, group_size, options
+):
+    # bfloat16 decode tokens, the bulk of a serving step, at the block sizes the engine uses:
+    # lengths below, at and past the kernel's key tiles and 16-key groups (and the 256-key chunks
+    # an AMX decode path tried in the 29th session used), a window that starts mid-block, and a
+    # prefill chunk beside them (a token of it alone in a work item is not a decode token).
+    seq_lens = [1, 15, 16, 17, 255, 256, 257, 600]
+    num_kv_heads = 2
+    batch = paged_batch(
+        [1] * len(seq_lens) + [5],
+        [*seq_lens, 300],
+        num_heads=num_kv_heads * group_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        seed=block_size + head_dim + group_size,
+    )
+    if options.get("sinks"):
+        options = {"sinks": torch.linspace(-2.0, 3.0, num_kv_heads * group_size)}
+    matches_reference(cpu_backend, batch, **options)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_cpu_kernel_lets_no_stale_slot_into_a_result(cpu_backend, paged_batch, dtype, block_size):
