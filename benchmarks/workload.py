@@ -167,17 +167,33 @@ def set_num_threads(num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
-def read_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+def last_level_cache_bytes() -> int:
+    """The size of the host's largest CPU cache (Linux sysfs, cpu0), 0 where unknown. Some VMs
+    report hundreds of MiB (480 MiB on a 2-vCPU Sapphire Rapids here), and there a buffer of a
+    few hundred MB is read from that cache, not from memory."""
+    sizes = [0]
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = path.read_text().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes)
+
+
+def read_bandwidth(num_bytes: int | None = None, repeats: int = 5) -> float:
     """Bytes per second that torch's threads stream out of memory: an int32 max over a buffer.
 
     The roofline for a decode step's attention, which must read every context token's K and V
     once: a reduction that does nothing else with the bytes. int32, because a float reduction
     of arbitrary bytes could meet subnormals (slow on x86), and a max, because torch's integer
-    sum is not vectorised (10x slower than the memory). The buffer is larger than any L2; the
-    figure is the median of `repeats` passes with the current torch thread count.
+    sum is not vectorised (10x slower than the memory). The buffer (default: 256 MiB, or twice the
+    last-level cache where that is larger) is larger than any cache; the figure is the median of
+    `repeats` passes with the current torch thread count.
     """
     import torch
 
+    if num_bytes is None:
+        num_bytes = max(256 << 20, 2 * last_level_cache_bytes())
     buffer = torch.ones(num_bytes // 4, dtype=torch.int32)  # written, so its pages are real
     buffer.amax()  # warm-up
     seconds = []

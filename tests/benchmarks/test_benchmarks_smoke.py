@@ -243,7 +243,22 @@ def test_attention_benchmark_times_kernel_reference_and_sdpa_per_cache_dtype(tmp
     assert kernel_fp32["kv_bytes"] == 2 * 3 * 16 * 3 * 64 * 2 * 4
     assert kernel_fp8["kv_bytes"] == kernel_fp32["kv_bytes"] // 4
     assert kernel_fp32["fraction_of_read_roofline"] > 0 and kernel_fp32["compute_bound_ms"] > 0
+    assert 1 <= kernel_fp32["cache_copies"] <= attention.MAX_CACHE_COPIES
     assert json.loads(output.read_text())["results"] == rows
+
+
+def test_attention_benchmark_reads_from_memory_by_rotating_copies_past_the_last_level_cache():
+    # A 50 MB step on a VM with a 480 MiB L3 would be read from the L3 every call: 20 copies
+    # (twice the cache) are read in turn instead. --cache-copies overrides; a GPU reads one.
+    args = attention.parse_args([])
+    assert attention.cache_copies(args, 50 << 20, cache_bytes=480 << 20) == 20
+    assert attention.cache_copies(args, 50 << 20, cache_bytes=32 << 20) == 2
+    assert (
+        attention.cache_copies(args, 1 << 10, cache_bytes=480 << 20) == attention.MAX_CACHE_COPIES
+    )
+    assert attention.cache_copies(args, 4 << 30, cache_bytes=480 << 20) == 1  # larger alone
+    assert attention.cache_copies(attention.parse_args(["--cache-copies", "1"]), 50 << 20) == 1
+    assert attention.cache_copies(attention.parse_args(["--device", "cuda"]), 50 << 20) == 1
 
 
 def test_attention_benchmark_times_the_triton_kernel_too(tmp_path):
