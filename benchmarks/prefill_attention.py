@@ -10,8 +10,11 @@ A build below the host's ISA is held to the matmul of the CPU it stands for: for
 build without bf16 dot products (AVX2, AVX-512 without AVX512_BF16) that is the loader's widened
 float32 linear (`matmul_widened`), not the host's native bf16 one, which such a CPU lacks (there
 torch's own bf16 GEMM ran at 39 GFLOP/s against float32's 186, with oneDNN and MKL held to AVX2 on
-a Zen 4). The BLAS itself still runs the host's vector ISA: on CPUs where that beats AVX2 the
-baseline is faster than the real CPU's, so the fraction is, if anything, understated.
+a Zen 4). On a host with AVX-512 the AVX2 build is timed in a child process whose oneDNN and MKL
+are held to AVX2 (`ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`), interleaved there with that
+matmul (rows `matmul_avx2`, `matmul_widened_avx2`): against the host's AVX-512 matmul it could
+reach half the fraction at most (34% on a Sapphire Rapids, where the held matmul ran at half the
+host's rate). The AVX-512 build's BLAS is the host's own.
 `--dtype bfloat16` times a bfloat16 query over a bfloat16 cache (the AMX path of the kernel on
 CPUs with AMX) against SDPA and the matmul in bfloat16.
 Attention's FLOPs are the causal triangle's: 4 * heads * head_dim * chunk * (chunk + 1) / 2 (QK^T
@@ -23,7 +26,12 @@ and PV). The issue's goal: the kernel at >= 50% of the matmul's GFLOP/s for a 1,
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +51,9 @@ from pagedserve.cache.attention.cpu import CpuPagedAttention, host_runnable_isas
 from pagedserve.cache.attention.cpu_features import host_cpu_flags
 from pagedserve.engine.packed_linear import PackedLinear, can_pack, can_pack_float32
 from pagedserve.engine.widened_linear import WidenedLinear, can_widen_linears
+
+# oneDNN and MKL held to AVX2 for the AVX2 build's child process (module docstring).
+BLAS_HELD_TO_AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -97,7 +108,21 @@ def bench_prefill(
 
     keys, values, queries = contiguous(key_cache), contiguous(value_cache), query.transpose(0, 1)
     hidden = torch.randn(chunk, heads * head_dim).to(dtype)
-    kernels = {isa: CpuPagedAttention(isa) for isa in isas or host_runnable_isas()}
+    isas = list(host_runnable_isas() if isas is None else isas)
+    held_to_avx2: list[dict[str, Any]] = []
+    if "avx2" in isas and blas_runs_above_avx2():
+        isas.remove("avx2")
+        held_to_avx2 = _avx2_rows_in_child(
+            chunk=chunk,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            repeats=repeats,
+            intermediate_size=intermediate_size,
+            dtype=dtype,
+        )
+    kernels = {isa: CpuPagedAttention(isa) for isa in isas}
     candidates: dict[str, Callable[[], Any]] = {
         f"cpu_{isa}": lambda k=kernel: k.forward(query, key_cache, value_cache, meta, scale)
         for isa, kernel in kernels.items()
@@ -127,7 +152,36 @@ def bench_prefill(
                 "fraction_of_matmul": flops / median / (matmul_flops / seconds[held_to]),
             }
         )
-    return rows
+    return rows + held_to_avx2
+
+
+def blas_runs_above_avx2() -> bool:
+    """Whether torch's BLAS here runs AVX-512 (the host has it, and this process's oneDNN and MKL
+    are not already held to AVX2)."""
+    held = all(os.environ.get(name) == value for name, value in BLAS_HELD_TO_AVX2.items())
+    return "avx512f" in host_cpu_flags() and not held
+
+
+def _avx2_rows_in_child(*, dtype: torch.dtype, **shape: int) -> list[dict[str, Any]]:
+    """The AVX2 build's row and its matmul's, timed in a child process with the BLAS held to AVX2;
+    the matmul row renamed `<baseline>_avx2`."""
+    with tempfile.TemporaryDirectory() as folder:
+        output = Path(folder) / "avx2.json"
+        command = [sys.executable, "-m", "pagedserve.benchmarks.prefill_attention", "--isa", "avx2"]
+        command += ["--chunk", str(shape["chunk"]), "--num-heads", str(shape["heads"])]
+        command += ["--num-kv-heads", str(shape["kv_heads"]), "--head-dim", str(shape["head_dim"])]
+        command += ["--block-size", str(shape["block_size"]), "--repeats", str(shape["repeats"])]
+        command += ["--intermediate-size", str(shape["intermediate_size"])]
+        command += ["--dtype", str(dtype).removeprefix("torch."), "--output", str(output)]
+        command += ["--threads", str(torch.get_num_threads())]
+        env = os.environ | BLAS_HELD_TO_AVX2
+        subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+        rows = json.loads(output.read_text())["results"]
+    kernel = next(row for row in rows if row["impl"] == "cpu_avx2")
+    matmul = next(row for row in rows if row["impl"] == kernel["baseline"])
+    kernel["baseline"] = matmul["impl"] = f"{kernel['baseline']}_avx2"
+    matmul["baseline"], matmul["fraction_of_matmul"] = matmul["impl"], 1.0
+    return [kernel, matmul]
 
 
 def _baselines(
@@ -177,10 +231,10 @@ def print_prefill(rows: list[dict[str, Any]]) -> None:
         f"prefill attention, one {rows[0]['chunk']}-token chunk in {rows[0]['dtype']}, "
         f"threads {torch.get_num_threads()}"
     )
-    print(f"{'impl':<16} {'median ms':>10} {'GFLOP/s':>9} {'of matmul':>10}  held to")
+    print(f"{'impl':<20} {'median ms':>10} {'GFLOP/s':>9} {'of matmul':>10}  held to")
     for row in rows:
         print(
-            f"{row['impl']:<16} {row['median_ms']:>10.2f} {row['gflop_per_s']:>9.1f} "
+            f"{row['impl']:<20} {row['median_ms']:>10.2f} {row['gflop_per_s']:>9.1f} "
             f"{row['fraction_of_matmul']:>9.0%}   {row['baseline']}"
         )
 
