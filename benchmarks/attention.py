@@ -193,14 +193,11 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str, kv_dtype_name: str) -
     ]
     rotation = itertools.cycle(copies)
 
-    def next_copy() -> tuple[torch.Tensor, torch.Tensor]:
-        return next(rotation)
-
     def ours() -> torch.Tensor:
-        return kernel.forward(query, *next_copy(), meta, scale)
+        return kernel.forward(query, *next(rotation), meta, scale)
 
     def read_once() -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = next_copy()
+        keys, values = next(rotation)
         return keys.view(torch.int32).amax(), values.view(torch.int32).amax()
 
     # Two sets of rounds. The roofline: our kernel(s) beside the read pass and the L2 runs only;
@@ -213,7 +210,7 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str, kv_dtype_name: str) -
         "read_kv_once": read_once,
     }
     for impl, isa_kernel in isa_kernels(args).items():
-        roofline[impl] = lambda k=isa_kernel: k.forward(query, *next_copy(), meta, scale)
+        roofline[impl] = lambda k=isa_kernel: k.forward(query, *next(rotation), meta, scale)
         roofline[f"{impl}_kv_in_l2"] = lambda k=isa_kernel: k.forward(
             query, key_cache, value_cache, l2_meta, scale
         )

@@ -113,14 +113,17 @@ def bench_prefill(
     if "avx2" in isas and blas_runs_above_avx2():
         isas.remove("avx2")
         held_to_avx2 = _avx2_rows_in_child(
-            chunk=chunk,
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            block_size=block_size,
-            repeats=repeats,
-            intermediate_size=intermediate_size,
-            dtype=dtype,
+            {
+                "--chunk": chunk,
+                "--num-heads": heads,
+                "--num-kv-heads": kv_heads,
+                "--head-dim": head_dim,
+                "--block-size": block_size,
+                "--repeats": repeats,
+                "--intermediate-size": intermediate_size,
+                "--dtype": str(dtype).removeprefix("torch."),
+                "--threads": torch.get_num_threads(),
+            }
         )
     kernels = {isa: CpuPagedAttention(isa) for isa in isas}
     candidates: dict[str, Callable[[], Any]] = {
@@ -162,18 +165,15 @@ def blas_runs_above_avx2() -> bool:
     return "avx512f" in host_cpu_flags() and not held
 
 
-def _avx2_rows_in_child(*, dtype: torch.dtype, **shape: int) -> list[dict[str, Any]]:
-    """The AVX2 build's row and its matmul's, timed in a child process with the BLAS held to AVX2;
-    the matmul row renamed `<baseline>_avx2`."""
+def _avx2_rows_in_child(flags: dict[str, object]) -> list[dict[str, Any]]:
+    """The AVX2 build's row and its matmul's, timed by this module's command line (`flags`: its
+    options but --isa and --output) in a child process with the BLAS held to AVX2; the matmul
+    row renamed `<baseline>_avx2`."""
     with tempfile.TemporaryDirectory() as folder:
         output = Path(folder) / "avx2.json"
         command = [sys.executable, "-m", "pagedserve.benchmarks.prefill_attention", "--isa", "avx2"]
-        command += ["--chunk", str(shape["chunk"]), "--num-heads", str(shape["heads"])]
-        command += ["--num-kv-heads", str(shape["kv_heads"]), "--head-dim", str(shape["head_dim"])]
-        command += ["--block-size", str(shape["block_size"]), "--repeats", str(shape["repeats"])]
-        command += ["--intermediate-size", str(shape["intermediate_size"])]
-        command += ["--dtype", str(dtype).removeprefix("torch."), "--output", str(output)]
-        command += ["--threads", str(torch.get_num_threads())]
+        command += [str(part) for flag in flags.items() for part in flag]
+        command += ["--output", str(output)]
         env = os.environ | BLAS_HELD_TO_AVX2
         subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
         rows = json.loads(output.read_text())["results"]
