@@ -32,12 +32,15 @@ float32 head keeps the skinny kernel and oneDNN: the panels were 1.14x at one ro
 there, for another 113 MB copy.
 
 On a CPU with AMX (Sapphire Rapids and later) oneDNN's packed bfloat16 linear multiplies decode
-batches on AMX tiles, and the kernel, built on AVX512_BF16 dot products, is faster at one row only.
-The 120 decoder linears, cold weights, two threads, Sapphire Rapids, oneDNN against the kernel:
-12.7 -> 10.9 ms at 1 row, 12.5 -> 13.4 at 2, 12.4 -> 15.2 at 4, 18.6 -> 75.0 at 64 and 25.6 ->
-142.2 at 128; the head 2.42 -> 2.16 ms at 1 row, 2.39 -> 2.97 at 2, 4.02 -> 19.6 at 64
-(benchmarks/RESULTS.md, "Twenty-ninth session"). There bfloat16 layers send one row to the kernel
-and every larger batch to oneDNN (`panel_max_rows`).
+batches on AMX tiles, faster than the kernel's AVX512_BF16 dot products from two rows on (120
+decoder linears, cold weights, two threads: 12.5 -> 13.4 ms at 2 rows, 18.6 -> 75.0 at 64;
+benchmarks/RESULTS.md, "Twenty-ninth session"). So there the kernel multiplies the same panels on
+AMX tiles too (a panel's pairs of k are the tiles' layout; panel_linear.cpp), where Linux grants
+the tile state (`panel_amx`): 13.5 -> 10.5-11.0 ms at 1 row, 13.3 -> 10.4 at 2, 13.9 -> 10.7 at 16,
+16.0 -> 11.5 at 32, 19.0 -> 17.5-18.2 at 64 ("Thirtieth session"). Past 32 rows each panel is
+read a second time from L2 for the next 32, and the gain shrinks to nothing by 64: so AMX hosts
+send 1-AMX_MAX_ROWS rows to the kernel, and where the tiles are refused, one row only
+(`panel_max_rows`).
 
 Each swapped layer keeps its packed copy for prefill batches: the panels are a second copy of the
 weight, logged at load. bfloat16 layers with a bias are left alone (the kernel rounds its sums to
@@ -67,7 +70,9 @@ logger = logging.getLogger(__name__)
 # The batches the kernel takes: at 128 rows it was still 1.01x (bfloat16) and 1.12x (float32)
 # oneDNN's, past that prefill sizes, where oneDNN is as fast or faster (0.92-1.02x bfloat16 at 512).
 MAX_ROWS = 128
-# bfloat16 on a CPU with AMX: one row (module docstring).
+# bfloat16 on a CPU with AMX (module docstring): up to AMX_MAX_ROWS rows on the kernel's tiles, or
+# one row where the kernel may not use them and oneDNN's AMX linear takes every larger batch.
+AMX_MAX_ROWS = 64
 AMX_BF16_MAX_ROWS = 1
 PANEL_LANES = 16  # the kernel is used on AVX-512 builds only (module docstring)
 
@@ -116,12 +121,20 @@ def panel_dtype(model: nn.Module, float32_linear: str = "auto") -> torch.dtype |
     return dtype if dtype == torch.float32 or kernel.panel_bf16 else None
 
 
-def panel_max_rows(dtype: torch.dtype, flags: frozenset[str] | None = None) -> int:
-    """The largest batch a panel linear of `dtype` sends to the kernel on a CPU with `flags`
-    (None: the host's): one row for bfloat16 where oneDNN has AMX tiles, else MAX_ROWS (module
-    docstring)."""
+def panel_max_rows(
+    dtype: torch.dtype, flags: frozenset[str] | None = None, amx_panels: bool | None = None
+) -> int:
+    """The largest batch a panel linear of `dtype` sends to the kernel on a CPU with `flags` (None:
+    the host's) whose kernel does (`amx_panels`; None: the host's kernel) or does not multiply
+    bfloat16 panels on AMX tiles: for bfloat16 on a CPU with AMX, AMX_MAX_ROWS on the kernel's
+    tiles or one row without them; else MAX_ROWS (module docstring)."""
     flags = host_cpu_flags() if flags is None else flags
-    return AMX_BF16_MAX_ROWS if dtype == torch.bfloat16 and "amx_bf16" in flags else MAX_ROWS
+    if dtype != torch.bfloat16 or "amx_bf16" not in flags:
+        return MAX_ROWS
+    if amx_panels is None:
+        kernel = cpu_kernel_or_none("the panel linears")
+        amx_panels = bool(kernel is not None and getattr(kernel, "panel_amx", False))
+    return AMX_MAX_ROWS if amx_panels else AMX_BF16_MAX_ROWS
 
 
 def use_panel_linears(
@@ -138,7 +151,8 @@ def use_panel_linears(
     kernel = kernel or cpu_kernel_or_none("the panel linears")
     if kernel is None:
         return 0
-    max_rows = panel_max_rows(dtype) if max_rows is None else max_rows
+    if max_rows is None:
+        max_rows = panel_max_rows(dtype, amx_panels=getattr(kernel, "panel_amx", False))
     head = _head_linear(model) if dtype == torch.float32 else None
 
     def panel(child: nn.Module) -> PanelLinear | None:

@@ -53,6 +53,7 @@ _SOURCES = tuple(
 _HEADERS = tuple(
     Path(__file__).parent / "csrc" / name
     for name in (
+        "amx_tiles.h",
         "aten_ops.h",
         "bfloat16_bits.h",
         "float_tiles.h",

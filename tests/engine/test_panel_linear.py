@@ -16,6 +16,7 @@ from pagedserve.cache.attention.cpu import host_runnable_isas, load_cpu_kernel
 from pagedserve.engine.packed_linear import PackedLinear, can_pack, pack_linears
 from pagedserve.engine.panel_linear import (
     AMX_BF16_MAX_ROWS,
+    AMX_MAX_ROWS,
     MAX_ROWS,
     PANEL_LANES,
     PanelLinear,
@@ -31,7 +32,8 @@ from tests.engine.conftest import (
     tiny_linears_and_logits,
 )
 
-SHAPES = [(576, 576), (193, 576), (31, 1536), (70, 37), (1, 5), (960, 1)]
+# (33, 80): in_features a multiple of 2 but not of 32, which AMX hosts multiply without tiles.
+SHAPES = [(576, 576), (193, 576), (31, 1536), (70, 37), (33, 80), (1, 5), (960, 1)]
 ROWS = [1, 2, 5, 11, 12, 13, 64, 128, 200]
 
 
@@ -222,14 +224,16 @@ def test_which_models_get_panels(default_tokenizer):
         assert q_proj.max_rows == panel_max_rows(torch.bfloat16)
 
 
-def test_amx_hosts_send_bfloat16_decode_batches_past_one_row_to_onednn():
-    # oneDNN's AMX linear beats the kernel from two rows (module docstring); float32 and CPUs
-    # with AVX512_BF16 alone keep the kernel up to MAX_ROWS.
+def test_amx_hosts_send_bfloat16_decode_batches_to_the_kernels_tiles_or_one_row_without_them():
+    # On AMX the kernel's tiles beat oneDNN up to AMX_MAX_ROWS; without the tiles, oneDNN's AMX
+    # linear beats the kernel from two rows (module docstring). float32 and CPUs with AVX512_BF16
+    # alone keep the kernel up to MAX_ROWS.
     amx = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
     bf16_only = frozenset({"avx512f", "avx512_bf16"})
-    assert panel_max_rows(torch.bfloat16, amx) == AMX_BF16_MAX_ROWS == 1
-    assert panel_max_rows(torch.bfloat16, bf16_only) == MAX_ROWS
-    assert panel_max_rows(torch.float32, amx) == MAX_ROWS
+    assert panel_max_rows(torch.bfloat16, amx, amx_panels=True) == AMX_MAX_ROWS == 64
+    assert panel_max_rows(torch.bfloat16, amx, amx_panels=False) == AMX_BF16_MAX_ROWS == 1
+    assert panel_max_rows(torch.bfloat16, bf16_only, amx_panels=False) == MAX_ROWS
+    assert panel_max_rows(torch.float32, amx, amx_panels=True) == MAX_ROWS
     linear = nn.Linear(64, 32, bias=False).to(torch.bfloat16)
     model = nn.Sequential(linear)
     kernel = load_cpu_kernel()
@@ -246,6 +250,14 @@ def test_amx_hosts_send_bfloat16_decode_batches_past_one_row_to_onednn():
             else:
                 assert_close_to_f_linear(model(x), x, linear.weight)
     assert calls == [1]
+
+
+def test_the_kernel_says_whether_it_multiplies_bfloat16_panels_on_amx_tiles():
+    kernel = load_cpu_kernel()
+    assert isinstance(kernel.panel_amx, bool)
+    assert not kernel.panel_amx or (kernel.panel_bf16 and kernel.amx_tiles)
+    for isa in host_runnable_isas():  # the fixed levels carry no AMX
+        assert isa == "native" or not load_cpu_kernel(isa).panel_amx
 
 
 @pytest.mark.parametrize("isa", BF16_KERNELS)

@@ -31,6 +31,7 @@ void rope_(const at::Tensor& states, const at::Tensor& cos, const at::Tensor& si
 at::Tensor skinny_linear_fp32(const at::Tensor& input, const at::Tensor& weight);
 int panel_width();
 bool panel_bf16();
+bool panel_amx();
 at::Tensor pack_panels(const at::Tensor& weight);
 at::Tensor panel_linear(const at::Tensor& input, const at::Tensor& panels, int64_t out_features);
 void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -65,6 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 input @ weight.T for at most 16 rows, weights streamed once (skinny_linear.cpp)");
   m.attr("panel_width") = panel_width();  // output columns per panel of pack_panels
   m.attr("panel_bf16") = panel_bf16();    // bfloat16 panels (AVX512_BF16 builds)
+  m.attr("panel_amx") = panel_amx();      // bfloat16 panels of 2+ rows on AMX tiles
   m.def("pack_panels", &pack_panels, py::arg("weight"), no_gil,
         "A float32 (or, with AVX512_BF16, bfloat16) [N, K] weight as panel_linear's column "
         "panels (panel_linear.cpp)");

@@ -49,8 +49,7 @@
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__)
-#include <sys/syscall.h>  // arch_prctl: permission for AMX tile state (tile_attention.h)
-#include <unistd.h>
+#include "amx_tiles.h"  // permission for the tile state, the tile shape (tile_attention.h)
 #endif
 
 #include <algorithm>
@@ -758,7 +757,7 @@ void attend_item_tiles(const Problem<cache_t>& p, const WorkItem& item, int head
     task.value_cache = p.value_cache + kv_head * HEAD_DIM;
     constexpr bool kFp8 = std::is_same_v<cache_t, Fp8E4M3>;
 #ifdef PAGEDSERVE_AMX
-    if (tiles::tiles_permitted()) {
+    if (amx::tiles_permitted()) {
       tiles::attend_head<HEAD_DIM, tiles::AmxProducts, kFp8>(task);
       continue;
     }
@@ -1322,7 +1321,7 @@ bool fp8_as_bf16() {
 
 bool amx_tiles() {  // bfloat16 prefill items on AMX (tile_attention.h), where Linux grants them
 #ifdef PAGEDSERVE_AMX
-  return tiles::tiles_permitted();
+  return amx::tiles_permitted();
 #else
   return false;
 #endif

@@ -27,32 +27,14 @@
 //
 // Keys outside [first_key, num_keys) never reach a sum: their scores are masked to -inf (so their
 // probability is 0) and their packed values are zeros, since 0 * a stale slot's NaN would be NaN.
-// The AMX part needs <sys/syscall.h> and <unistd.h>, included at the top of paged_attention.cpp.
+//
+// The AMX part needs amx_tiles.h (permission, tile shape), included at the top of
+// paged_attention.cpp.
 #pragma once
 
 namespace tiles {
 
 #ifdef PAGEDSERVE_AMX
-// Linux hands out AMX's 8 KiB of tile state only to a process that asks (arch_prctl, Linux 5.16+);
-// where it refuses, the vector path runs instead.
-inline bool tiles_permitted() {
-  static const bool permitted = [] {
-    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
-    constexpr long kTileData = 18;                // XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return permitted;
-}
-
-// Every tile as 16 rows of 64 bytes (palette 1): 16 x 32 bfloat16 operands, 16 x 16 float32 sums.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-
 // The tiles by role. Macros, not constants: GCC's AMX intrinsics paste the tile number into the
 // instruction's text, so it must be a literal by the time they see it.
 #define AMX_SCORES0 0  // S for keys 0-15 of the span
@@ -202,7 +184,7 @@ inline void softmax_row(const HeadTask& task, int m, int key_base, const float* 
 class AmxProducts {
  public:
   AmxProducts() {
-    const TileConfig config;
+    const amx::TileConfig config;
     _tile_loadconfig(&config);
   }
   ~AmxProducts() { _tile_release(); }
