@@ -166,17 +166,18 @@ def run_vllm(
 
 
 class PhaseTimer:
-    """Wraps the runner's forward and its attention backend; sums seconds per phase."""
+    """Times the runner's forward passes and, inside them, attention (benchmarks/attention_timer.py,
+    which leaves the engine's paths as they are); sums seconds per phase."""
 
     def __init__(self, engine: Any) -> None:
-        self.backend = engine.runner.backend
-        self.name = self.backend.name
+        from pagedserve.benchmarks.attention_timer import time_attention
+
         self.seconds = {"attention_prefill_steps": 0.0, "attention_decode_steps": 0.0}
         self.forward_seconds = 0.0
         self._prefill_step = False
         self._forward = engine.runner.forward
-        engine.runner.backend = self
         engine.runner.forward = self.forward_pass  # execute() calls self.forward(...)
+        time_attention(engine, self.add_attention)
 
     def forward_pass(self, batch: Any) -> Any:
         self._prefill_step = batch.metas[0].max_query_len > 1
@@ -186,19 +187,9 @@ class PhaseTimer:
         finally:
             self.forward_seconds += time.perf_counter() - start
 
-    def _timed(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            phase = "prefill" if self._prefill_step else "decode"
-            self.seconds[f"attention_{phase}_steps"] += time.perf_counter() - start
-
-    def store_kv(self, *args: Any) -> None:
-        self._timed(self.backend.store_kv, *args)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # kwargs: per-layer window, softcap, sinks
-        return self._timed(self.backend.forward, *args, **kwargs)
+    def add_attention(self, seconds: float) -> None:
+        phase = "prefill" if self._prefill_step else "decode"
+        self.seconds[f"attention_{phase}_steps"] += seconds
 
     def phases(self, wall_seconds: float) -> dict[str, float]:
         attention = sum(self.seconds.values())

@@ -64,27 +64,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class TimedBackend:
-    """Wraps the runner's attention backend and sums the wall time of its calls (store + attend)."""
+class AttentionSeconds:
+    """The seconds the engine's steps spent in attention (store + attend) so far."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.name = inner.name
+    def __init__(self) -> None:
         self.seconds = 0.0
 
-    def store_kv(self, *args: Any) -> None:
-        start = time.perf_counter()
-        self.inner.store_kv(*args)
-        self.seconds += time.perf_counter() - start
-
-    def forward(self, *args: Any, **options: Any) -> Any:
-        start = time.perf_counter()
-        output = self.inner.forward(*args, **options)
-        self.seconds += time.perf_counter() - start
-        return output
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
 
 
 def make_engine(args: argparse.Namespace, max_batch_size: int) -> Any:
+    from pagedserve.benchmarks.attention_timer import time_attention
     from pagedserve.engine.llm import LLM
 
     engine = LLM(
@@ -98,7 +89,8 @@ def make_engine(args: argparse.Namespace, max_batch_size: int) -> Any:
         kv_cache_dtype=args.kv_cache_dtype,
         **({"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}),
     ).engine
-    engine.runner.backend = TimedBackend(engine.runner.backend)
+    engine.attention_seconds = AttentionSeconds()
+    time_attention(engine, engine.attention_seconds.add)
     return engine
 
 
@@ -145,10 +137,10 @@ def timed_step(engine: Any) -> dict[str, float]:
     runner.cache_engine.copy_blocks(plan.block_copies)
     batch = runner.prepare(plan)
     t2 = clock()
-    attention_before = runner.backend.seconds
+    attention_before = engine.attention_seconds.seconds
     logits = runner.forward(batch)
     t3 = clock()
-    attention_s = runner.backend.seconds - attention_before
+    attention_s = engine.attention_seconds.seconds - attention_before
     rows = engine.outputs.sampling_rows(plan)
     sampled = SampledBatch.split(rows, engine.sampler.sample(logits, rows))
     t4 = clock()
