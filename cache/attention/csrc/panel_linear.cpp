@@ -257,6 +257,7 @@ void panel_linear_amx(const uint16_t* x, int64_t m, int64_t pairs, const uint16_
       SpreadPrefetch prefetch(reinterpret_cast<const char*>(panel + panel_elems),
                               p + 1 < end ? panel_lines : 0, passes * (pairs / kTilePairs));
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
+      const __mmask32 columns = cols == kPanel ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
       for (int64_t r = 0; r < m; r += 2 * kTileRows) {
         const int64_t rows = std::min<int64_t>(2 * kTileRows, m - r);
         if (rows > kTileRows) {
@@ -265,11 +266,12 @@ void panel_linear_amx(const uint16_t* x, int64_t m, int64_t pairs, const uint16_
         } else {
           panel_tiles<false>(row_tile(r), nullptr, ldx_bytes, panel, pairs, sums, prefetch);
         }
+        // Rounded to bfloat16 (to nearest even) by the AVX512_BF16 conversion, 32 sums at a time;
+        // like the tile products, it reads a float32 denormal as zero.
         for (int64_t i = 0; i < rows; ++i) {
-          uint16_t row[kPanel];
-#pragma omp simd
-          for (int j = 0; j < kPanel; ++j) row[j] = pagedserve::float_to_bf16(sums[i][j]);
-          std::memcpy(out + (r + i) * n + p * kPanel, row, cols * sizeof(uint16_t));
+          const __m512bh row =
+              _mm512_cvtne2ps_pbh(_mm512_load_ps(&sums[i][kLanes]), _mm512_load_ps(&sums[i][0]));
+          _mm512_mask_storeu_epi16(out + (r + i) * n + p * kPanel, columns, (__m512i)row);
         }
       }
     }
