@@ -36,9 +36,10 @@ batches on AMX tiles, faster than the kernel's AVX512_BF16 dot products from two
 decoder linears, cold weights, two threads: 12.5 -> 13.4 ms at 2 rows, 18.6 -> 75.0 at 64;
 benchmarks/RESULTS.md, "Twenty-ninth session"). So there the kernel multiplies the same panels on
 AMX tiles too (a panel's pairs of k are the tiles' layout; panel_linear.cpp), where Linux grants
-the tile state (`panel_amx`): 13.5 -> 10.5-11.0 ms at 1 row, 13.3 -> 10.4 at 2, 13.9 -> 10.7 at 16,
-16.0 -> 11.5 at 32, 19.0 -> 17.5-18.2 at 64 ("Thirtieth session"). Past 32 rows each panel is
-read a second time from L2 for the next 32, and the gain shrinks to nothing by 64: so AMX hosts
+the tile state (`panel_amx`): 13.3 -> 10.0 ms at 1 row, 13.0 -> 9.9 at 2, 13.7 -> 10.3 at 16,
+15.9 -> 11.3 at 32, 18.5 -> 16.7 at 64 (17.5-18.2 in other runs), 25.3 -> 26.6 at 128; the head
+1.18-1.29x oneDNN's at 1-32 rows and 0.94-1.07x at 64 ("Thirtieth session"). Past 32 rows each
+panel is multiplied a second time, from L2, for the next 32, and the gain shrinks: so AMX hosts
 send 1-AMX_MAX_ROWS rows to the kernel, and where the tiles are refused, one row only
 (`panel_max_rows`).
 

@@ -28,8 +28,8 @@
 //
 // AMX (Sapphire Rapids and later, where Linux grants the tile state): bfloat16 panels are also
 // AMX's layout for the right operand of a tile product, so the same panels are multiplied on tiles
-// there, 32 rows x one panel per pass (panel_linear_amx). 1.2-1.4x oneDNN's AMX linear at 1-32
-// rows, level at 64 (engine/panel_linear.py).
+// there, 32 rows x one panel per pass (panel_linear_amx). 1.3-1.4x oneDNN's AMX linear at 1-32
+// rows, 1.0-1.1x at 64 (engine/panel_linear.py).
 //
 // Sums: float32 products summed in k order (one FMA chain per output), bfloat16 pairs summed by
 // vdpbf16ps into float32 and rounded to bfloat16 once, as oneDNN does; only the order of the sums
