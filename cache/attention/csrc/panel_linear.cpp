@@ -29,7 +29,8 @@
 // AMX (Sapphire Rapids and later, where Linux grants the tile state): bfloat16 panels are also
 // AMX's layout for the right operand of a tile product, so the same panels are multiplied on tiles
 // there, 32 rows x one panel per pass (panel_linear_amx). 1.3-1.4x oneDNN's AMX linear at 1-32
-// rows, 1.0-1.1x at 64 (engine/panel_linear.py).
+// rows, 1.0-1.1x at 64 (engine/panel_linear.py). Like oneDNN's, the tile products read a bfloat16
+// denormal as zero.
 //
 // Sums: float32 products summed in k order (one FMA chain per output), bfloat16 pairs summed by
 // vdpbf16ps into float32 and rounded to bfloat16 once, as oneDNN does; only the order of the sums
@@ -170,11 +171,10 @@ constexpr auto kPanelBf16 = bf16_table(std::make_integer_sequence<int, kMR>{});
 #define PANEL_W1 7      // 32 k of columns 16-31
 constexpr int kTileRows = 16;
 constexpr int kTilePairs = 16;  // pairs of k per tile product
-constexpr int64_t kAmxMinRows = 1;
 
 // Prefetches a range of weights into L2 a little at a time: `next_lines` lines from `next`, spread
-// evenly over `slots` calls of step(). A whole panel's prefetches at once would overflow the queue
-// of misses, and the lines it drops would come in on demand.
+// evenly over `slots` calls of step(), one per tile step of every pass over the current panel (as
+// the vector path issues a share per pair of k), not as one burst.
 class SpreadPrefetch {
  public:
   SpreadPrefetch(const char* next, int64_t next_lines, int64_t slots)
@@ -396,7 +396,7 @@ at::Tensor panel_linear(const at::Tensor& input, const at::Tensor& panels, int64
   const auto* weights = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   auto* dst = reinterpret_cast<uint16_t*>(output.data_ptr());
 #ifdef PAGEDSERVE_PANEL_AMX
-  if (m >= kAmxMinRows && pairs % kTilePairs == 0 && amx::tiles_permitted()) {
+  if (pairs % kTilePairs == 0 && amx::tiles_permitted()) {
     panel_linear_amx(src, m, pairs, weights, n, num_panels, dst);
     return output.view(output_shape);
   }
