@@ -172,31 +172,13 @@ constexpr auto kPanelBf16 = bf16_table(std::make_integer_sequence<int, kMR>{});
 constexpr int kTileRows = 16;
 constexpr int kTilePairs = 16;  // pairs of k per tile product
 
-// Prefetches a range of weights into L2 a little at a time: `next_lines` lines from `next`, spread
-// evenly over `slots` calls of step(), one per tile step of every pass over the current panel (as
-// the vector path issues a share per pair of k), not as one burst.
-class SpreadPrefetch {
- public:
-  SpreadPrefetch(const char* next, int64_t next_lines, int64_t slots)
-      : next_(next), lines_(next_lines), slots_(std::max<int64_t>(slots, 1)) {}
-  void step() {
-    if (slot_ >= slots_) return;
-    const int64_t first = slot_ * lines_ / slots_, last = (slot_ + 1) * lines_ / slots_;
-    for (int64_t line = first; line < last; ++line) __builtin_prefetch(next_ + line * 64, 0, 2);
-    ++slot_;
-  }
-
- private:
-  const char* next_;
-  int64_t lines_, slots_, slot_ = 0;
-};
-
 // sums[32][kPanel] = (x0 rows; x1 rows) . panel, x0 and x1 16 rows each at `ldx_bytes`; TWO = false
-// computes x0's only. The weights are streaming tile loads (a hint that they are used once), which
-// measured ~5% faster than plain ones at 2-64 rows.
+// computes x0's only. `next`: the next panel, prefetched into L2 on the way (prefetch_step), or
+// null. The weights are streaming tile loads (a hint that they are used once), which measured ~5%
+// faster than plain ones at 2-64 rows.
 template <bool TWO>
 void panel_tiles(const uint16_t* x0, const uint16_t* x1, int64_t ldx_bytes, const uint16_t* panel,
-                 int64_t pairs, float (*sums)[kPanel], SpreadPrefetch& prefetch) {
+                 int64_t pairs, float (*sums)[kPanel], const char* next) {
   _tile_zero(PANEL_SUMS00);
   _tile_zero(PANEL_SUMS01);
   if (TWO) {
@@ -205,7 +187,7 @@ void panel_tiles(const uint16_t* x0, const uint16_t* x1, int64_t ldx_bytes, cons
   }
   constexpr int64_t kRowBytes = kPanel * 4;  // one pair of k for every column of the panel
   for (int64_t i = 0; i < pairs; i += kTilePairs) {
-    prefetch.step();
+    for (int64_t pair = i; pair < i + kTilePairs; ++pair) prefetch_step(next, pair);
     const uint16_t* w = panel + i * kPanel * 2;
     _tile_stream_loadd(PANEL_W0, w, kRowBytes);
     _tile_stream_loadd(PANEL_W1, w + kLanes * 2, kRowBytes);
@@ -237,34 +219,33 @@ void panel_tiles(const uint16_t* x0, const uint16_t* x1, int64_t ldx_bytes, cons
 
 // out[m, n] = x . panels for bfloat16 x of `pairs` pairs (a multiple of kTilePairs). Rows go in
 // tiles of 16, two per pass over a panel; a last, partial tile is read from a zero-padded copy of
-// those rows. A thread takes a contiguous range of panels and prefetches the next one into L2
-// across all passes over the current one.
+// those rows. As in for_each_panel, a thread takes a contiguous range of panels and prefetches the
+// next one into L2 during the first pass over the current one.
 void panel_linear_amx(const uint16_t* x, int64_t m, int64_t pairs, const uint16_t* weights,
                       int64_t n, int64_t num_panels, uint16_t* out) {
   const int64_t k = 2 * pairs, ldx_bytes = k * sizeof(uint16_t);
-  const int64_t panel_elems = pairs * kPanel * 2, panel_lines = panel_elems * 2 / 64;
+  const int64_t panel_elems = pairs * kPanel * 2;
   const int64_t full_rows = m / kTileRows * kTileRows;
   std::vector<uint16_t> tail(m > full_rows ? kTileRows * k : 0, 0);
   if (!tail.empty()) std::memcpy(tail.data(), x + full_rows * k, (m - full_rows) * ldx_bytes);
   auto row_tile = [&](int64_t r) { return r < full_rows ? x + r * k : tail.data(); };
-  const int64_t passes = (m + 2 * kTileRows - 1) / (2 * kTileRows);
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     const amx::TileConfig config;
     _tile_loadconfig(&config);
     alignas(64) float sums[2 * kTileRows][kPanel];
     for (int64_t p = begin; p < end; ++p) {
       const uint16_t* panel = weights + p * panel_elems;
-      SpreadPrefetch prefetch(reinterpret_cast<const char*>(panel + panel_elems),
-                              p + 1 < end ? panel_lines : 0, passes * (pairs / kTilePairs));
+      const char* next = p + 1 < end ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
       const __mmask32 columns = cols == kPanel ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
       for (int64_t r = 0; r < m; r += 2 * kTileRows) {
         const int64_t rows = std::min<int64_t>(2 * kTileRows, m - r);
+        const char* ahead = r == 0 ? next : nullptr;
         if (rows > kTileRows) {
           panel_tiles<true>(row_tile(r), row_tile(r + kTileRows), ldx_bytes, panel, pairs, sums,
-                            prefetch);
+                            ahead);
         } else {
-          panel_tiles<false>(row_tile(r), nullptr, ldx_bytes, panel, pairs, sums, prefetch);
+          panel_tiles<false>(row_tile(r), nullptr, ldx_bytes, panel, pairs, sums, ahead);
         }
         // Rounded to bfloat16 (to nearest even) by the AVX512_BF16 conversion, 32 sums at a time;
         // like the tile products, it reads a float32 denormal as zero.
