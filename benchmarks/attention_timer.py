@@ -25,21 +25,23 @@ class _Timed:
     """`inner` with each of `calls` timed into `record(seconds)`; every other attribute its own."""
 
     def __init__(self, inner: Any, calls: tuple[str, ...], record: Callable[[float], None]) -> None:
-        self._inner, self._calls, self._record = inner, calls, record
+        self._inner = inner
+        for name in calls:  # wrapped once: instance attributes, found before __getattr__
+            setattr(self, name, _timed(getattr(inner, name), record))
 
     def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self._inner, name)
-        if name not in self._calls:
-            return attribute
+        return getattr(self._inner, name)
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return attribute(*args, **kwargs)
-            finally:
-                self._record(time.perf_counter() - start)
 
-        return timed
+def _timed(call: Callable[..., Any], record: Callable[[float], None]) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - start)
+
+    return timed
 
 
 def time_attention(engine: Any, record: Callable[[float], None]) -> None:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedserve.benchmarks.attention_timer import time_attention
 from pagedserve.benchmarks.workload import (
     RESULTS_DIR,
     WorkloadConfig,
@@ -75,7 +76,6 @@ class AttentionSeconds:
 
 
 def make_engine(args: argparse.Namespace, max_batch_size: int) -> Any:
-    from pagedserve.benchmarks.attention_timer import time_attention
     from pagedserve.engine.llm import LLM
 
     engine = LLM(
@@ -89,8 +89,6 @@ def make_engine(args: argparse.Namespace, max_batch_size: int) -> Any:
         kv_cache_dtype=args.kv_cache_dtype,
         **({"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}),
     ).engine
-    engine.attention_seconds = AttentionSeconds()
-    time_attention(engine, engine.attention_seconds.add)
     return engine
 
 
@@ -118,7 +116,7 @@ def drain(engine: Any, request_ids: list[str]) -> None:
         engine.abort_request(request_id)
 
 
-def timed_step(engine: Any) -> dict[str, float]:
+def timed_step(engine: Any, attention: AttentionSeconds) -> dict[str, float]:
     """One decode step, phase by phase, as `LLMEngine.step` runs it; seconds per phase.
 
     NOTE: mirrors `step()` through its seams (the output processor's `sampling_rows` and
@@ -137,10 +135,10 @@ def timed_step(engine: Any) -> dict[str, float]:
     runner.cache_engine.copy_blocks(plan.block_copies)
     batch = runner.prepare(plan)
     t2 = clock()
-    attention_before = engine.attention_seconds.seconds
+    attention_before = attention.seconds
     logits = runner.forward(batch)
     t3 = clock()
-    attention_s = engine.attention_seconds.seconds - attention_before
+    attention_s = attention.seconds - attention_before
     rows = engine.outputs.sampling_rows(plan)
     sampled = SampledBatch.split(rows, engine.sampler.sample(logits, rows))
     t4 = clock()
@@ -155,15 +153,19 @@ def timed_step(engine: Any) -> dict[str, float]:
 
 
 def measure(
-    engine: Any, args: argparse.Namespace, prompts: list[list[int]], read_bytes_per_s: float
+    engine: Any,
+    attention: AttentionSeconds,
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    read_bytes_per_s: float,
 ) -> dict[str, Any]:
     """Median of each phase over `args.steps` decode steps at batch `len(prompts)`."""
     request_ids = fill_to_decode(engine, prompts)
     if engine.scheduler.num_running != len(prompts):
         raise RuntimeError(f"only {engine.scheduler.num_running} of {len(prompts)} requests fit")
     for _ in range(args.warmup_steps):
-        timed_step(engine)
-    samples = [timed_step(engine) for _ in range(args.steps)]
+        timed_step(engine, attention)
+    samples = [timed_step(engine, attention) for _ in range(args.steps)]
     phases = {phase: _median([s[phase] for s in samples]) for phase in PHASES}
     step_s = sum(phases.values())
     overhead_s = step_s - phases["forward"]
@@ -232,6 +234,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     set_num_threads(args.num_threads)
     engine = make_engine(args, max(args.batch_sizes))
+    attention = AttentionSeconds()  # the engine's store and attention calls (attention_timer.py)
+    time_attention(engine, attention.add)
     workload = WorkloadConfig(
         num_requests=max(args.batch_sizes),
         min_prompt_tokens=args.prompt_tokens,
@@ -241,7 +245,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     prompts = build_prompts(workload, engine.tokenizer)
     read_bytes_per_s = read_bandwidth()
     rows = [
-        measure(engine, args, prompts[:batch_size], read_bytes_per_s)
+        measure(engine, attention, args, prompts[:batch_size], read_bytes_per_s)
         for batch_size in args.batch_sizes
     ]
     for row in rows:

@@ -134,7 +134,7 @@ def panel_max_rows(
         return MAX_ROWS
     if amx_panels is None:
         kernel = cpu_kernel_or_none("the panel linears")
-        amx_panels = bool(kernel is not None and getattr(kernel, "panel_amx", False))
+        amx_panels = kernel is not None and kernel.panel_amx
     return AMX_MAX_ROWS if amx_panels else AMX_BF16_MAX_ROWS
 
 
@@ -153,7 +153,7 @@ def use_panel_linears(
     if kernel is None:
         return 0
     if max_rows is None:
-        max_rows = panel_max_rows(dtype, amx_panels=getattr(kernel, "panel_amx", False))
+        max_rows = panel_max_rows(dtype, amx_panels=kernel.panel_amx)
     head = _head_linear(model) if dtype == torch.float32 else None
 
     def panel(child: nn.Module) -> PanelLinear | None:
