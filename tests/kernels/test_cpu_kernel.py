@@ -58,15 +58,29 @@ def test_cpu_kernel_matches_reference_for_each_row_count_of_the_vector_path(
     matches_reference(cpu_backend, batch)
 
 
+# (query dtype, cache dtype): float32 rows read in place, every other cache widened a tile at a
+# time, bfloat16 queries widened once. bfloat16 queries over a bfloat16 or fp8 cache take
+# tile_attention.h instead where the build has AVX512_BF16 (on the others they come here).
+FLOAT_TILE_DTYPES = [
+    (torch.float32, None),
+    (torch.bfloat16, None),
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float8_e4m3fn),
+    (torch.bfloat16, torch.float16),
+    (torch.bfloat16, torch.float32),
+]
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_cpu_kernel_matches_reference_for_each_row_count_of_the_float32_tiles(
-    cpu_backend, paged_batch, matches_reference, head_dim
+@pytest.mark.parametrize(("dtype", "kv_dtype"), FLOAT_TILE_DTYPES)
+def test_cpu_kernel_matches_reference_for_each_row_count_of_the_float_tiles(
+    cpu_backend, paged_batch, matches_reference, head_dim, dtype, kv_dtype
 ):
-    # float32 items of at least a vector of rows per kv head (tokens x group size) take
-    # float_tiles.h, whose rows are vector lanes: padded to whole vectors (AVX-512: 16 lanes,
-    # AVX2: 8), scored up to 3 (AVX2: 2) vectors of rows at a time, their value pass 6 (AVX2: 2)
-    # rows at a time plus the rest. Group 3 gives items of 18, 21, 33, 48 and 15 rows, over keys
-    # of several tiles, the last one partial.
+    # Items of at least a vector of rows per kv head (tokens x group size) take float_tiles.h,
+    # whose rows are vector lanes: padded to whole vectors (AVX-512: 16 lanes, AVX2: 8), scored up
+    # to 3 (AVX2: 2) vectors of rows at a time, their value pass 6 (AVX2: 2) rows at a time plus
+    # the rest. Group 3 gives items of 18, 21, 33, 48 and 15 rows, over keys of several tiles, the
+    # last one partial.
     query_lens = [6, 7, 11, 21]
     batch = paged_batch(
         query_lens,
@@ -75,7 +89,8 @@ def test_cpu_kernel_matches_reference_for_each_row_count_of_the_float32_tiles(
         num_kv_heads=2,
         head_dim=head_dim,
         block_size=16,
-        dtype=torch.float32,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
         seed=head_dim + 3,
     )
     matches_reference(cpu_backend, batch)

@@ -35,8 +35,9 @@
 // and from 4.5x to 1.3x in bfloat16 (benchmarks/RESULTS.md, "Sixth session"). Where the build
 // has AVX512_BF16, prefill items (>= kTileMinRows rows per kv head) of bfloat16 queries over a
 // bfloat16 cache (or an fp8 one, converted as the tiles are packed, where the build has
-// AVX512_VBMI) take tile products instead (tile_attention.h); float32 prefill items (>= one
-// vector of rows per kv head, float32 queries) take float_tiles.h's, on every build.
+// AVX512_VBMI) take tile products instead (tile_attention.h); every other prefill item (>= one
+// vector of rows per kv head, any cache dtype, either query dtype) takes float_tiles.h's, on
+// every build.
 //
 // The cache may hold float32, bfloat16, float16 or fp8 (e4m3) values; queries and outputs are
 // float32 or bfloat16 (the output in the query's dtype), and the query may be a strided view (HF's
@@ -702,8 +703,8 @@ inline void softmax_update(float* scores, int num_keys, int stride, float* acc, 
 #include "transpose.h"
 #include "float_tiles.h"
 
-// Items of at least this many rows per kv head (tokens x group size) over a float32 cache take
-// float_tiles.h's path: its rows fill the lanes of a vector.
+// Items of at least this many rows per kv head (tokens x group size) take float_tiles.h's path
+// (unless tile_attention.h's took them): its rows fill the lanes of a vector.
 constexpr int kFloatTileMinRows = kLanes;
 
 #ifdef PAGEDSERVE_DPBF16
@@ -793,8 +794,8 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
     }
   }
 #endif
-  if constexpr (std::is_same_v<cache_t, float> && CHUNKS > 0) {
-    if (!p.bfloat16_io && (item.query_end - item.query_begin) * (p.num_heads / p.num_kv_heads) >=
+  if constexpr (CHUNKS > 0) {
+    if ((item.query_end - item.query_begin) * (p.num_heads / p.num_kv_heads) >=
                               kFloatTileMinRows) {
       float_tiles::attend_item<CHUNKS * kLanes>(p, item, head_begin, head_end);
       return false;
