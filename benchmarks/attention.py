@@ -25,6 +25,10 @@ On the CPU the kernel and the read pass take their K/V from `--cache-copies` cop
 in turn (default: enough to hold twice the last-level cache), as a server's 30 layers do: a
 single 50-100 MB copy stays in a large L3 (480 MiB on a Sapphire Rapids VM here, where the read
 pass ran at 50 GB/s against 24 from memory), and the "memory roofline" would be the L3's.
+Every copy sits on 2 MiB transparent huge pages where the engine's caches do (cache/
+huge_pages.py): on 4 KiB pages both the kernel and the read pass pay a TLB miss per page, which
+slowed the read pass more than the kernel (Sapphire Rapids VM: 22 against 28 GB/s) and so
+understated the kernel's distance from the memory roofline.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from pagedserve.benchmarks.workload import last_level_cache_bytes, time_interlea
 from pagedserve.cache.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend
 from pagedserve.cache.cache_engine import KV_CACHE_DTYPES
 from pagedserve.cache.cache_engine import TORCH_DTYPES as DTYPES
+from pagedserve.cache.huge_pages import copy_to_huge_pages
 
 DEFAULT_OUTPUT = Path(__file__).parent / "results" / "attention.json"
 # A tiny step (a test's) is not worth thousands of copies: it is cache-resident either way.
@@ -161,6 +166,8 @@ def make_decode_step(
         },
     )
     key_cache, value_cache, query = (t.to(device) for t in (key_cache, value_cache, query))
+    if device.type == "cpu":  # where the engine's CacheEngine puts its caches (and their copies)
+        key_cache, value_cache = map(copy_to_huge_pages, (key_cache, value_cache))
     sdpa_inputs = tuple(t.to(device) for t in sdpa_inputs)
     return query, key_cache, value_cache, meta, sdpa_inputs
 
@@ -188,7 +195,7 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str, kv_dtype_name: str) -
     # row let the rows of a round read the same copy, all but the first from the cache).
     copies = [(key_cache, value_cache)]
     copies += [
-        (key_cache.clone(), value_cache.clone())
+        (copy_to_huge_pages(key_cache.clone()), copy_to_huge_pages(value_cache.clone()))
         for _ in range(cache_copies(args, key_cache.nbytes + value_cache.nbytes) - 1)
     ]
     rotation = itertools.cycle(copies)
