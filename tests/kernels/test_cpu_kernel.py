@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -473,3 +474,19 @@ def _linux_version() -> tuple[int, int]:
 
     major, minor = platform.release().split(".")[:2]
     return int(major), int(minor)
+
+
+def test_float32_decode_prefetches_by_head_on_amd_and_key_by_key_elsewhere(cpu_backend):
+    # The order that measured faster on each vendor's cores (paged_attention.cpp,
+    # float_prefetch_by_head); every build of a host takes the host's order. Results do not
+    # depend on it, so only this says which order runs.
+    vendor = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("vendor_id")
+        ),
+        None,
+    )
+    expected = vendor in ("AuthenticAMD", "HygonGenuine")
+    assert cpu_backend._kernel.float_prefetch_by_head is expected

@@ -22,6 +22,7 @@ int vector_lanes();
 bool bf16_dot_products();
 bool fp8_as_bf16();
 bool amx_tiles();
+bool float_prefetch_by_head();
 // rms_norm.cpp, silu_mul.cpp, rope.cpp, skinny_linear.cpp, panel_linear.cpp, store_kv.cpp and
 // greedy.cpp
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps);
@@ -47,6 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("bf16_dot_products") = bf16_dot_products();  // AVX512_BF16 scores and prefill tiles
   m.attr("fp8_as_bf16") = fp8_as_bf16();  // fp8 rows read as bfloat16 rows (AVX512_VBMI)
   m.attr("amx_tiles") = amx_tiles();  // bfloat16 prefill items on AMX tiles
+  // float32 decode tiles prefetched kv head by kv head (AMD), else key by key
+  m.attr("float_prefetch_by_head") = float_prefetch_by_head();
   m.def("paged_attention", &paged_attention, py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,

@@ -47,6 +47,7 @@
 #include "aten_ops.h"
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__)
@@ -64,6 +65,8 @@
 #include <vector>
 
 #include "bfloat16_bits.h"
+
+bool float_prefetch_by_head();  // defined at the end, with the build's other facts
 
 namespace {
 
@@ -940,23 +943,24 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
     }
   };
   // prefetch_share(share, shares) requests the next tile up to share / shares of it (a share may
-  // hold none, or several rows). float32 tiles go in the order attend_head reads them: kv head by
-  // kv head, that head's K row of every key, then its V rows (units of one head's row of one key,
-  // `next_part` = 2 x head + 1 for V, `next_key`). Requested key by key instead (every head's K
-  // and V of a key, as other caches are), the last keys' head-0 rows arrived late, while the
+  // hold none, or several rows), key by key: every head's K row of a key, then its V row, each
+  // one contiguous span. On AMD's cores float32 tiles go in the order attend_head reads them
+  // instead (float_prefetch_by_head): kv head by kv head, that head's K row of every key, then
+  // its V rows (units of one head's row of one key, `next_part` = 2 x head + 1 for V,
+  // `next_key`). Requested key by key there, the last keys' head-0 rows arrived late, while the
   // first row was scoring them: a float32 decode step 64 x 1,024 took 1.39x the time of a plain
-  // read of its K/V that way and 1.19x this way (AVX-512 build 1.22x -> 1.10x, AVX2 1.53x ->
-  // 1.35x; 4-10% faster at 384 keys; 2-core Zen 4, 40 interleaved repeats). Over a bfloat16
-  // cache, whose steps are bound by arithmetic rather than memory, the head order was 1.07-1.29x
-  // slower, so those keep the key order.
-  constexpr bool kByHead = std::is_same_v<cache_t, float>;
+  // read of its K/V that way and 1.19x by head (AVX-512 build 1.22x -> 1.10x, AVX2 1.53x ->
+  // 1.35x; 2-core Zen 4, 40 interleaved repeats; on huge pages the workload's step 1.13x). Over a
+  // bfloat16 cache, whose steps are bound by arithmetic rather than memory, the head order was
+  // 1.07-1.29x slower, so those keep the key order everywhere.
+  const bool by_head = std::is_same_v<cache_t, float> && float_prefetch_by_head();
   const int head_bytes = head_dim * static_cast<int>(sizeof(cache_t));
-  int next_requested = 0, next_part = 0, next_key = 0;  // units (kByHead) or keys requested
+  int next_requested = 0, next_part = 0, next_key = 0;  // units (by_head) or keys requested
   auto prefetch_share = [&](const int64_t* rows, int next_keys, int share, int shares) {
-    const int units = kByHead ? (head_end - head_begin) * 2 * next_keys : next_keys;
+    const int units = by_head ? (head_end - head_begin) * 2 * next_keys : next_keys;
     const int until = static_cast<int>(static_cast<int64_t>(share) * units / shares);
     if (until <= next_requested) return;
-    if (!kByHead) {
+    if (!by_head) {
       prefetch_rows(rows, next_requested, until);
       next_requested = until;
       return;
@@ -1030,17 +1034,17 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
       }
     }
     // Shares of the next tile's prefetch: kLanes keys' worth of scoring each (score_row's hook),
-    // requested every kGroupsPerRequest shares. float32 tiles are requested every 16 keys: with
-    // AVX2's 8 lanes, every 8 keys ran a float32 64 x 1,024 decode step 4-6% slower (1.22-1.23x
-    // against 1.26-1.31x its read; 1.5% at 384 keys), while bfloat16 ran 5% faster every 8
-    // (2-core Zen 4, interleaved rounds). AVX-512's 16 lanes are 16 keys either way.
-    constexpr int kGroupsPerRequest = kByHead ? std::max(1, 16 / kLanes) : 1;
+    // requested every groups_per_request shares. float32 tiles by head are requested every 16
+    // keys: with AVX2's 8 lanes, every 8 keys ran a float32 64 x 1,024 decode step 4-6% slower
+    // (1.22-1.23x against 1.26-1.31x its read; 1.5% at 384 keys), while bfloat16 ran 5% faster
+    // every 8 (2-core Zen 4, interleaved rounds). AVX-512's 16 lanes are 16 keys either way.
+    const int groups_per_request = by_head ? std::max(1, 16 / kLanes) : 1;
     const int groups = std::max(1, tile_keys / kLanes), shares = num_rows * groups;
     for (int m = row0; m < row0 + head_rows; ++m) {
       int share = m * groups;
       prefetch_share(tile_rows[tile ^ 1], next_keys, share, shares);  // what earlier rows left
       auto before_group = [&] {
-        if (++share % kGroupsPerRequest == 0) {
+        if (++share % groups_per_request == 0) {
           prefetch_share(tile_rows[tile ^ 1], next_keys, share, shares);
         }
       };
@@ -1323,6 +1327,26 @@ bool fp8_as_bf16() {
 bool amx_tiles() {  // bfloat16 prefill items on AMX (tile_attention.h), where Linux grants them
 #ifdef PAGEDSERVE_AMX
   return amx::tiles_permitted();
+#else
+  return false;
+#endif
+}
+
+// Whether float32 tiles' prefetches go out kv head by kv head (attend_item's prefetch_share): on
+// AMD's cores (and Hygon's, the same design), where that order made a float32 decode step 1.13-
+// 1.17x faster than key by key (2-core Zen 4). Key by key everywhere else: on Intel's Sapphire
+// Rapids the head order was the slower one, a 64 x 1,024 float32 decode step from memory (2 MiB
+// pages, 3 interleaved runs) taking 1.43-1.47x the time of a plain read of its K/V against
+// 1.29-1.30x key by key (AVX-512 builds; AVX2 1.61-1.63x against 1.42-1.47x); key order also
+// issues fewer instructions (1.15-1.30 ms with K/V in L2, against 1.50-1.66 by head).
+bool float_prefetch_by_head() {
+#if defined(__x86_64__)
+  static const bool by_head = [] {
+    unsigned int eax, ebx, ecx, edx;
+    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+    return ebx == 0x68747541 || ebx == 0x6f677948;  // "Auth"enticAMD, "Hygo"nGenuine
+  }();
+  return by_head;
 #else
   return false;
 #endif
