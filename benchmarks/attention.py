@@ -45,10 +45,10 @@ import torch.nn.functional as F
 
 from pagedserve.benchmarks.prefill_attention import bench_prefill, print_prefill
 from pagedserve.benchmarks.workload import last_level_cache_bytes, time_interleaved
+from pagedserve.cache import huge_pages
 from pagedserve.cache.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend
 from pagedserve.cache.cache_engine import KV_CACHE_DTYPES
 from pagedserve.cache.cache_engine import TORCH_DTYPES as DTYPES
-from pagedserve.cache.huge_pages import copy_to_huge_pages
 
 DEFAULT_OUTPUT = Path(__file__).parent / "results" / "attention.json"
 # A tiny step (a test's) is not worth thousands of copies: it is cache-resident either way.
@@ -167,9 +167,16 @@ def make_decode_step(
     )
     key_cache, value_cache, query = (t.to(device) for t in (key_cache, value_cache, query))
     if device.type == "cpu":  # where the engine's CacheEngine puts its caches (and their copies)
-        key_cache, value_cache = map(copy_to_huge_pages, (key_cache, value_cache))
+        key_cache, value_cache = map(huge_pages.copy_to_huge_pages, (key_cache, value_cache))
     sdpa_inputs = tuple(t.to(device) for t in sdpa_inputs)
     return query, key_cache, value_cache, meta, sdpa_inputs
+
+
+def _copy_of(cache: torch.Tensor) -> torch.Tensor:
+    """Another copy of a cache, on huge pages where the engine's would be (CPU; a clone elsewhere)."""
+    if cache.device.type != "cpu":
+        return cache.clone()
+    return huge_pages.empty(tuple(cache.shape), cache.dtype).copy_(cache)
 
 
 def bench_dtype(args: argparse.Namespace, dtype_name: str, kv_dtype_name: str) -> list[dict]:
@@ -195,7 +202,7 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str, kv_dtype_name: str) -
     # row let the rows of a round read the same copy, all but the first from the cache).
     copies = [(key_cache, value_cache)]
     copies += [
-        (copy_to_huge_pages(key_cache.clone()), copy_to_huge_pages(value_cache.clone()))
+        (_copy_of(key_cache), _copy_of(value_cache))
         for _ in range(cache_copies(args, key_cache.nbytes + value_cache.nbytes) - 1)
     ]
     rotation = itertools.cycle(copies)

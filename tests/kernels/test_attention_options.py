@@ -155,11 +155,15 @@ def test_window_reads_no_block_outside_it(paged_batch, cpu_backend):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.float8_e4m3fn)],
+)
 def test_cpu_kernel_options_match_reference_at_compiled_head_sizes(
-    cpu_backend, paged_batch, matches_reference, head_dim, dtype
+    cpu_backend, paged_batch, matches_reference, head_dim, dtype, kv_dtype
 ):
-    # 64 and 128 take the kernel's compile-time paths; bfloat16 caches are widened per tile.
+    # 64 and 128 take the kernel's compile-time paths; bfloat16 and fp8 caches are widened per
+    # tile (the prefill chunks' float tiles, the decode tokens' vector path).
     batch = paged_batch(
         QUERY_LENS,
         SEQ_LENS,
@@ -168,6 +172,7 @@ def test_cpu_kernel_options_match_reference_at_compiled_head_sizes(
         head_dim=head_dim,
         block_size=5,
         dtype=dtype,
+        kv_dtype=kv_dtype,
         seed=head_dim,
     )
     matches_reference(cpu_backend, batch, **_options("all"))

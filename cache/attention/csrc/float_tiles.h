@@ -13,8 +13,8 @@
 // Q^T is packed once per item and kv head (transposed in registers, a kLanes x kLanes block at a
 // time, then pre-scaled; rows padded to whole vectors with copies of the last). A score block
 // keeps kb keys x RV row vectors of sums in registers; each step over the head's dims loads RV
-// vectors of Q^T and broadcasts kb elements of the keys, read in place from the cache through the
-// block table, so every load feeds several FMAs, as in a BLAS microkernel. The online softmax
+// vectors of Q^T and broadcasts kb elements of the keys, read through the block table (in place
+// from a float32 cache), so every load feeds several FMAs, as in a BLAS microkernel. The online softmax
 // then runs across the lanes: a row's running maximum and sum are lanes of vectors, and a tile's
 // maximum is an elementwise max over its keys, with no horizontal reductions. The value pass
 // keeps 6 rows x 4 vectors of sums (AVX-512) beside a value row's 4 vectors, reading P^T.
@@ -25,8 +25,9 @@
 // score_tile, softmax_tile and ValuePass::run stay out of line: inlined into one function, GCC
 // laid the three out worse (0.95x instead of 0.90x).
 //
-// Other caches and queries (float32 queries over a bfloat16, float16 or fp8 cache; bfloat16 queries
-// on builds without AVX512_BF16, where tile_attention.h is not built) take the same path: the
+// Other caches and queries take the same path where tile_attention.h does not take them (it takes
+// bfloat16 queries over a bfloat16 cache, or an fp8 one with AVX512_VBMI, on builds with
+// AVX512_BF16 and blocks of a multiple of 16 tokens), prefill items only (attend_item): the
 // tile's key and value rows widened into float32 buffers once per tile and kv head, for every row
 // of the item, the queries widened once, the output rounded to bfloat16 as the vector path rounds
 // it. They had taken the vector path, which widens keys once per tile too but scores row by row:

@@ -707,7 +707,8 @@ inline void softmax_update(float* scores, int num_keys, int stride, float* acc, 
 #include "float_tiles.h"
 
 // Items of at least this many rows per kv head (tokens x group size) take float_tiles.h's path
-// (unless tile_attention.h's took them): its rows fill the lanes of a vector.
+// (unless tile_attention.h's took them; decode tokens only over a float32 cache with float32
+// queries, attend_item): its rows fill the lanes of a vector.
 constexpr int kFloatTileMinRows = kLanes;
 
 #ifdef PAGEDSERVE_DPBF16
@@ -798,8 +799,13 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
   }
 #endif
   if constexpr (CHUNKS > 0) {
-    if ((item.query_end - item.query_begin) * (p.num_heads / p.num_kv_heads) >=
-                              kFloatTileMinRows) {
+    // A decode token of a wide GQA group fills the lanes too: over a float32 cache with float32
+    // queries it takes the tiles as before; others keep the vector path, whose prefetching a
+    // decode item's K/V (read from memory, not just stored) needs and which the widening path's
+    // measurements did not cover.
+    const int tokens = item.query_end - item.query_begin;
+    const bool widened = !std::is_same_v<cache_t, float> || p.bfloat16_io;
+    if (tokens * (p.num_heads / p.num_kv_heads) >= kFloatTileMinRows && (tokens > 1 || !widened)) {
       float_tiles::attend_item<CHUNKS * kLanes>(p, item, head_begin, head_end);
       return false;
     }
@@ -1044,7 +1050,7 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
       int share = m * groups;
       prefetch_share(tile_rows[tile ^ 1], next_keys, share, shares);  // what earlier rows left
       auto before_group = [&] {
-        if (++share % groups_per_request == 0) {
+        if ((++share & (groups_per_request - 1)) == 0) {  // 1 or 2: a mask, not a division
           prefetch_share(tile_rows[tile ^ 1], next_keys, share, shares);
         }
       };
