@@ -23,8 +23,9 @@
 // broadcasts one x value (float32) or pair (bfloat16) per row, so every loaded weight serves kMR
 // rows and every broadcast kNV vectors. A thread takes a contiguous range of panels; within a
 // panel, the rows go in groups of at most kMR (sized evenly: 64 rows are 6 groups of 11 or 10, not
-// 5 of 12 and one of 4), the panel staying in L2 between them. While the first group runs, the
-// next panel is prefetched into L2, so the weight streams from memory behind the arithmetic.
+// 5 of 12 and one of 4), the panel staying in L2 between them. While the groups run, the next
+// panel is prefetched into L2, a share per group (PrefetchShare), so the weight streams from memory
+// behind the arithmetic.
 //
 // AMX (Sapphire Rapids and later, where Linux grants the tile state): bfloat16 panels are also
 // AMX's layout for the right operand of a tile product, so the same panels are multiplied on tiles
@@ -84,13 +85,38 @@ inline void prefetch_step(const char* next, int64_t step) {
   }
 }
 
+// The next panel's share one pass over the current panel prefetches: pass `part` of `parts` (the
+// row groups, or AMX's row tiles) requests steps [first, last), one step every `parts` of its own.
+// Requesting the whole next panel during the first pass, as this kernel did, left memory idle
+// during the others, so a step cost the weight's stream plus most of the arithmetic rather than
+// the larger of the two: float32 at 32 / 64 rows ran 1.15-1.16x / 1.11-1.22x oneDNN that way and
+// 1.30-1.35x / 1.27-1.29x with the shares, the fixed workload's float32 run 35.9-36.6 -> 33.8-35.3 s
+// (2-core Sapphire Rapids, native build; AMX's bfloat16 passes level, 1.21-1.25x either way).
+struct PrefetchShare {
+  const char* next;  // the next panel, or nullptr
+  int64_t first, last;
+  int parts;
+  PrefetchShare(const char* next_panel, int64_t steps, int part, int num_parts)
+      : next(next_panel),
+        first(steps * part / num_parts),
+        last(steps * (part + 1) / num_parts),
+        parts(num_parts) {}
+  // Called once per step of the pass (`countdown` starts at 0).
+  inline void on_step(int& countdown) {
+    if (next == nullptr || countdown-- > 0) return;
+    countdown = parts - 1;
+    if (first < last) prefetch_step(next, first++);
+  }
+};
+
 // out[r, 0:cols] = x[r, :] . panel, for ROWS rows of x.
 template <int ROWS>
 void panel_rows_f32(const float* x, int64_t ldx, const float* panel, int64_t k, float* out,
-                    int64_t ldo, int cols, const char* next) {
+                    int64_t ldo, int cols, PrefetchShare ahead) {
   vfloat acc[ROWS][kNV] = {};
+  int countdown = 0;
   for (int64_t i = 0; i < k; ++i) {
-    prefetch_step(next, i);
+    ahead.on_step(countdown);
     vfloat w[kNV];
     for (int v = 0; v < kNV; ++v) w[v] = load(panel + i * kPanel + v * kLanes);
     for (int r = 0; r < ROWS; ++r) {
@@ -106,7 +132,7 @@ void panel_rows_f32(const float* x, int64_t ldx, const float* panel, int64_t k, 
 }
 
 using PanelF32 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int,
-                          const char*);
+                          PrefetchShare);
 template <int... R>
 constexpr std::array<PanelF32, sizeof...(R)> f32_table(std::integer_sequence<int, R...>) {
   return {panel_rows_f32<R + 1>...};
@@ -118,12 +144,13 @@ constexpr auto kPanelF32 = f32_table(std::make_integer_sequence<int, kMR>{});
 // The same for bfloat16: `panel` holds pairs of k, `x` rows of `pairs` pairs.
 template <int ROWS>
 void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs,
-                     uint16_t* out, int64_t ldo, int cols, const char* next) {
+                     uint16_t* out, int64_t ldo, int cols, PrefetchShare ahead) {
   __m512 acc[ROWS][kNV];
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < kNV; ++v) acc[r][v] = _mm512_setzero_ps();
+  int countdown = 0;
   for (int64_t i = 0; i < pairs; ++i) {
-    prefetch_step(next, i);
+    ahead.on_step(countdown);
     __m512bh w[kNV];
     for (int v = 0; v < kNV; ++v)
       w[v] = (__m512bh)_mm512_loadu_si512(panel + (i * kPanel + v * kLanes) * 2);
@@ -145,7 +172,7 @@ void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int6
 }
 
 using PanelBf16 = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t,
-                           int, const char*);
+                           int, PrefetchShare);
 template <int... R>
 constexpr std::array<PanelBf16, sizeof...(R)> bf16_table(std::integer_sequence<int, R...>) {
   return {panel_rows_bf16<R + 1>...};
@@ -173,12 +200,12 @@ constexpr int kTileRows = 16;
 constexpr int kTilePairs = 16;  // pairs of k per tile product
 
 // sums[32][kPanel] = (x0 rows; x1 rows) . panel, x0 and x1 16 rows each at `ldx_bytes`; TWO = false
-// computes x0's only. `next`: the next panel, prefetched into L2 on the way (prefetch_step), or
-// null. The weights are streaming tile loads (a hint that they are used once), which measured ~5%
-// faster than plain ones at 2-64 rows.
+// computes x0's only. `ahead`: this pass's share of the next panel, prefetched into L2 on the way.
+// The weights are streaming tile loads (a hint that they are used once), which measured ~5% faster
+// than plain ones at 2-64 rows.
 template <bool TWO>
 void panel_tiles(const uint16_t* x0, const uint16_t* x1, int64_t ldx_bytes, const uint16_t* panel,
-                 int64_t pairs, float (*sums)[kPanel], const char* next) {
+                 int64_t pairs, float (*sums)[kPanel], PrefetchShare ahead) {
   _tile_zero(PANEL_SUMS00);
   _tile_zero(PANEL_SUMS01);
   if (TWO) {
@@ -186,8 +213,9 @@ void panel_tiles(const uint16_t* x0, const uint16_t* x1, int64_t ldx_bytes, cons
     _tile_zero(PANEL_SUMS11);
   }
   constexpr int64_t kRowBytes = kPanel * 4;  // one pair of k for every column of the panel
+  int countdown = 0;
   for (int64_t i = 0; i < pairs; i += kTilePairs) {
-    for (int64_t pair = i; pair < i + kTilePairs; ++pair) prefetch_step(next, pair);
+    for (int64_t pair = i; pair < i + kTilePairs; ++pair) ahead.on_step(countdown);
     const uint16_t* w = panel + i * kPanel * 2;
     _tile_stream_loadd(PANEL_W0, w, kRowBytes);
     _tile_stream_loadd(PANEL_W1, w + kLanes * 2, kRowBytes);
@@ -220,7 +248,7 @@ void panel_tiles(const uint16_t* x0, const uint16_t* x1, int64_t ldx_bytes, cons
 // out[m, n] = x . panels for bfloat16 x of `pairs` pairs (a multiple of kTilePairs). Rows go in
 // tiles of 16, two per pass over a panel; a last, partial tile is read from a zero-padded copy of
 // those rows. As in for_each_panel, a thread takes a contiguous range of panels and prefetches the
-// next one into L2 during the first pass over the current one.
+// next one into L2 over its passes over the current one (PrefetchShare).
 void panel_linear_amx(const uint16_t* x, int64_t m, int64_t pairs, const uint16_t* weights,
                       int64_t n, int64_t num_panels, uint16_t* out) {
   const int64_t k = 2 * pairs, ldx_bytes = k * sizeof(uint16_t);
@@ -238,9 +266,10 @@ void panel_linear_amx(const uint16_t* x, int64_t m, int64_t pairs, const uint16_
       const char* next = p + 1 < end ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
       const __mmask32 columns = cols == kPanel ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
+      const int passes = static_cast<int>((m + 2 * kTileRows - 1) / (2 * kTileRows));
       for (int64_t r = 0; r < m; r += 2 * kTileRows) {
         const int64_t rows = std::min<int64_t>(2 * kTileRows, m - r);
-        const char* ahead = r == 0 ? next : nullptr;
+        const PrefetchShare ahead(next, pairs, static_cast<int>(r / (2 * kTileRows)), passes);
         if (rows > kTileRows) {
           panel_tiles<true>(row_tile(r), row_tile(r + kTileRows), ldx_bytes, panel, pairs, sums,
                             ahead);
@@ -262,18 +291,20 @@ void panel_linear_amx(const uint16_t* x, int64_t m, int64_t pairs, const uint16_
 #endif  // AMX
 
 // Every panel of `out` for `m` rows: threads split the panels, rows go in even groups of at most
-// kMR. `rows_fn(rows, x_row, panel, out_row, cols, next)` runs one group over one panel.
+// kMR. `rows_fn(rows, x_row, panel, cols, group, groups, prefetch_next)` runs group `group` of
+// `groups` over one panel; prefetch_next: the thread's next panel follows (PrefetchShare).
 template <typename RowsFn>
 void for_each_panel(int64_t m, int64_t n, int64_t num_panels, RowsFn rows_fn) {
   const int64_t groups = (m + kMR - 1) / kMR;
   const int64_t group_rows = (m + groups - 1) / groups;
+  const int num_groups = static_cast<int>((m + group_rows - 1) / group_rows);
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
       const bool prefetch_next = p + 1 < end;
-      for (int64_t r = 0; r < m; r += group_rows) {
+      for (int64_t r = 0, group = 0; r < m; r += group_rows, ++group) {
         const int rows = static_cast<int>(std::min(group_rows, m - r));
-        rows_fn(rows, r, p, cols, prefetch_next && r == 0);
+        rows_fn(rows, r, p, cols, static_cast<int>(group), num_groups, prefetch_next);
       }
     }
   });
@@ -363,10 +394,12 @@ at::Tensor panel_linear(const at::Tensor& input, const at::Tensor& panels, int64
     const float* src = x.data_ptr<float>();
     const float* weights = panels.data_ptr<float>();
     float* dst = output.data_ptr<float>();
-    for_each_panel(m, n, num_panels, [&](int rows, int64_t r, int64_t p, int cols, bool ahead) {
+    for_each_panel(m, n, num_panels,
+                   [&](int rows, int64_t r, int64_t p, int cols, int group, int groups, bool ahead) {
       const float* panel = weights + p * k * kPanel;
       const char* next = ahead ? reinterpret_cast<const char*>(panel + k * kPanel) : nullptr;
-      kPanelF32[rows - 1](src + r * k, k, panel, k, dst + r * n + p * kPanel, n, cols, next);
+      kPanelF32[rows - 1](src + r * k, k, panel, k, dst + r * n + p * kPanel, n, cols,
+                          PrefetchShare(next, k, group, groups));
     });
     return output.view(output_shape);
   }
@@ -382,10 +415,12 @@ at::Tensor panel_linear(const at::Tensor& input, const at::Tensor& panels, int64
     return output.view(output_shape);
   }
 #endif
-  for_each_panel(m, n, num_panels, [&](int rows, int64_t r, int64_t p, int cols, bool ahead) {
+  for_each_panel(m, n, num_panels,
+                 [&](int rows, int64_t r, int64_t p, int cols, int group, int groups, bool ahead) {
     const uint16_t* panel = weights + p * pairs * kPanel * 2;
     const char* next = ahead ? reinterpret_cast<const char*>(panel + pairs * kPanel * 2) : nullptr;
-    kPanelBf16[rows - 1](src + r * ldx, ldx, panel, pairs, dst + r * n + p * kPanel, n, cols, next);
+    kPanelBf16[rows - 1](src + r * ldx, ldx, panel, pairs, dst + r * n + p * kPanel, n, cols,
+                         PrefetchShare(next, pairs, group, groups));
   });
 #endif
   return output.view(output_shape);
