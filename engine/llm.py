@@ -8,6 +8,7 @@ from typing import Any
 
 from pagedserve.configs import SamplingParams, load_engine_config
 from pagedserve.configs.engine import DEFAULT_MODEL, OFFLINE_MAX_NUM_BATCHED_TOKENS
+from pagedserve.engine.gc_freeze import freeze_startup_objects
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 
@@ -27,6 +28,7 @@ class LLM:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        freeze_startup_objects()  # the model, tokenizer and imports live as long as this
 
     def generate(
         self,

@@ -8,6 +8,7 @@ another prefix is caught (and would change the output) instead of passing silent
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import random
@@ -39,6 +40,16 @@ pytest.register_assert_rewrite(
 # triton.language's own helpers are decorated at import time. The root conftest loads first.
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_after_test():
+    """`LLM` and the server's engine freeze the objects alive after their start-up out of the
+    garbage collector's reach (engine/gc_freeze.py); the suite builds and drops many, so each
+    test hands its frozen objects back to the collector."""
+    yield
+    gc.unfreeze()
+
 
 EOS_TOKEN_ID = 2  # fake_next_token never yields 0..2, so EOS only comes when a test forces it
 _arrival_clock = itertools.count(1)
