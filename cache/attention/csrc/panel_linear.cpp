@@ -90,8 +90,9 @@ inline void prefetch_step(const char* next, int64_t step) {
 // Requesting the whole next panel during the first pass, as this kernel did, left memory idle
 // during the others, so a step cost the weight's stream plus most of the arithmetic rather than
 // the larger of the two: float32 at 32 / 64 rows ran 1.15-1.16x / 1.11-1.22x oneDNN that way and
-// 1.30-1.35x / 1.27-1.29x with the shares, the fixed workload's float32 run 35.9-36.6 -> 33.8-35.3 s
-// (2-core Sapphire Rapids, native build; AMX's bfloat16 passes level, 1.21-1.25x either way).
+// 1.30-1.35x / 1.27-1.29x with the shares, the fixed workload's float32 run 35.9-36.6 ->
+// 33.8-35.3 s (2-core Sapphire Rapids, native build; AMX's bfloat16 passes level, 1.21-1.25x
+// either way).
 struct PrefetchShare {
   const char* next;  // the next panel, or nullptr
   int64_t first, last;
@@ -394,8 +395,8 @@ at::Tensor panel_linear(const at::Tensor& input, const at::Tensor& panels, int64
     const float* src = x.data_ptr<float>();
     const float* weights = panels.data_ptr<float>();
     float* dst = output.data_ptr<float>();
-    for_each_panel(m, n, num_panels,
-                   [&](int rows, int64_t r, int64_t p, int cols, int group, int groups, bool ahead) {
+    for_each_panel(m, n, num_panels, [&](int rows, int64_t r, int64_t p, int cols, int group,
+                                         int groups, bool ahead) {
       const float* panel = weights + p * k * kPanel;
       const char* next = ahead ? reinterpret_cast<const char*>(panel + k * kPanel) : nullptr;
       kPanelF32[rows - 1](src + r * k, k, panel, k, dst + r * n + p * kPanel, n, cols,
@@ -415,8 +416,8 @@ at::Tensor panel_linear(const at::Tensor& input, const at::Tensor& panels, int64
     return output.view(output_shape);
   }
 #endif
-  for_each_panel(m, n, num_panels,
-                 [&](int rows, int64_t r, int64_t p, int cols, int group, int groups, bool ahead) {
+  for_each_panel(m, n, num_panels, [&](int rows, int64_t r, int64_t p, int cols, int group,
+                                       int groups, bool ahead) {
     const uint16_t* panel = weights + p * pairs * kPanel * 2;
     const char* next = ahead ? reinterpret_cast<const char*>(panel + pairs * kPanel * 2) : nullptr;
     kPanelBf16[rows - 1](src + r * ldx, ldx, panel, pairs, dst + r * n + p * kPanel, n, cols,
