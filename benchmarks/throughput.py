@@ -27,6 +27,7 @@ from pagedserve.benchmarks.workload import (
     workload_from_args,
     write_results,
 )
+from pagedserve.engine.heap import thaw_startup_objects
 
 BASELINES = ("hf-single", "hf-static", "vllm")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -247,6 +248,7 @@ def run_vllm(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) -> 
 
 def run_dtype(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) -> list[Measurement]:
     measurements = run_ours(args, dtype, prompts)
+    thaw_startup_objects()  # LLM froze its engine (engine/heap.py): collectable again
     gc.collect()
     if {"hf-single", "hf-static"} & set(args.baselines):
         hf = load_hf_model(args.model, dtype)

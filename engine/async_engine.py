@@ -25,7 +25,6 @@ from pagedserve.engine.errors import (
     EngineOverloadedError,
     RequestFailedError,
 )
-from pagedserve.engine.gc_freeze import freeze_startup_objects
 from pagedserve.engine.inputs import ValidatedRequest
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import EngineStats, RequestDelta
@@ -184,7 +183,6 @@ class AsyncEngine:
                 self.engine = LLMEngine(self.config)
             engine = self.engine
             engine.structured.compiler.prepare()
-            freeze_startup_objects()  # what exists now lives as long as the server
         except BaseException as error:  # noqa: BLE001 - handed to start(), which raises it
             self._dead_reason = f"the engine failed to start: {type(error).__name__}"
             ready.set_exception(error)

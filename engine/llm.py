@@ -8,7 +8,7 @@ from typing import Any
 
 from pagedserve.configs import SamplingParams, load_engine_config
 from pagedserve.configs.engine import DEFAULT_MODEL, OFFLINE_MAX_NUM_BATCHED_TOKENS
-from pagedserve.engine.gc_freeze import freeze_startup_objects
+from pagedserve.engine.heap import freeze_startup_objects
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 
@@ -20,7 +20,9 @@ class LLM:
     (`block_size`, `num_kv_blocks`, `kv_cache_memory`, `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `enable_prefix_caching`, `dtype`, `device`, `attention_backend`,
     ...). `max_num_batched_tokens` defaults to OFFLINE_MAX_NUM_BATCHED_TOKENS here, not to the
-    server's 512: a batch job wants throughput, not a short step for the next arrival."""
+    server's 512: a batch job wants throughput, not a short step for the next arrival. Once
+    built, everything alive is frozen out of the garbage collector's full passes, as the server
+    does (engine/heap.py)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         engine_args.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
@@ -28,7 +30,7 @@ class LLM:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
-        freeze_startup_objects()  # the model, tokenizer and imports live as long as this
+        freeze_startup_objects()  # out of the collector's full passes (engine/heap.py)
 
     def generate(
         self,

@@ -44,9 +44,9 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 
 @pytest.fixture(autouse=True)
 def _unfreeze_after_test():
-    """`LLM` and the server's engine freeze the objects alive after their start-up out of the
-    garbage collector's reach (engine/gc_freeze.py); the suite builds and drops many, so each
-    test hands its frozen objects back to the collector."""
+    """`LLM` freezes the objects alive after its start-up out of the garbage collector's full
+    passes (engine/heap.py); the suite builds and drops many, so each test hands its frozen
+    objects back to the collector."""
     yield
     gc.unfreeze()
 

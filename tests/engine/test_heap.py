@@ -1,4 +1,5 @@
-"""The server's start-up objects leave the cyclic collector's view, and come back at shutdown."""
+"""The server's (and `LLM`'s) start-up objects leave the cyclic collector's view, and come back at
+shutdown or at the next freeze, which collects what an earlier one kept and has died since."""
 
 from __future__ import annotations
 
@@ -33,6 +34,22 @@ def test_garbage_left_before_the_freeze_is_collected_not_frozen():
     del garbage  # unreachable, but a cycle: still alive until a collection
     try:
         freeze_startup_objects()
+        assert ref() is None
+    finally:
+        thaw_startup_objects()
+
+
+def test_a_later_freeze_collects_what_an_earlier_one_kept_and_has_died():
+    import weakref
+
+    dropped = Node()
+    ref = weakref.ref(dropped)
+    try:
+        freeze_startup_objects()  # e.g. one LLM built
+        del dropped  # e.g. that LLM dropped: a frozen cycle, which no collection looks at
+        gc.collect()
+        assert ref() is not None
+        freeze_startup_objects()  # the next LLM built
         assert ref() is None
     finally:
         thaw_startup_objects()

@@ -148,6 +148,7 @@ inline vfloat max_level(vfloat a, vfloat b) {
   return max_level<LEVEL>(a, b, std::make_integer_sequence<int, 16>{});
 }
 inline vfloat transposed_max(const vfloat* v) {
+  static_assert(kLanes == 16, "tile products run on AVX-512 builds");
   vfloat pairs[8], quads[4];
   for (int i = 0; i < 8; ++i) pairs[i] = max_level<kUnpack32>(v[2 * i], v[2 * i + 1]);
   for (int i = 0; i < 4; ++i) quads[i] = max_level<kUnpack64>(pairs[2 * i], pairs[2 * i + 1]);
@@ -177,9 +178,9 @@ inline void softmax_group(const HeadTask& task, int group, int key_base, float (
   const int low_position = task.first_position + m0 / task.group_size;
   const int high_position = task.first_position + last_row / task.group_size;
   // Every row of the group sees all 32 keys: the first row's position is past the span, and the
-  // last row's window (if any) starts before it.
+  // last real row's window (if any) starts before it. (Padding rows are -inf either way.)
   const bool unmasked =
-      last_row == m0 + 15 && key_base + 31 <= low_position &&
+      key_base + 31 <= low_position &&
       (task.sliding_window <= 0 || key_base >= high_position - task.sliding_window + 1);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
