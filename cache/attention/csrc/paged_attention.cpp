@@ -429,29 +429,43 @@ template <int LEVEL>
 constexpr int level_step() {
   return LEVEL == kLanePairs ? 4 : 2;
 }
-template <int LEVEL, int... I>
-inline vfloat add_level(vfloat a, vfloat b, std::integer_sequence<int, I...>) {
-  return shuffle<level_source<LEVEL>(I)...>(a, b) +
-         shuffle<(level_source<LEVEL>(I) + level_step<LEVEL>())...>(a, b);
+// How a level combines its two shuffles: + for sums (the scores here), max for maxima (the prefill
+// tiles' softmax, tile_attention.h).
+struct Plus {
+  vfloat operator()(vfloat x, vfloat y) const { return x + y; }
+};
+struct Max {
+  vfloat operator()(vfloat x, vfloat y) const { return x > y ? x : y; }
+};
+template <int LEVEL, typename Op, int... I>
+inline vfloat combine_level(vfloat a, vfloat b, std::integer_sequence<int, I...>) {
+  return Op{}(shuffle<level_source<LEVEL>(I)...>(a, b),
+              shuffle<(level_source<LEVEL>(I) + level_step<LEVEL>())...>(a, b));
 }
-template <int LEVEL>
-inline vfloat add_level(vfloat a, vfloat b) {
-  return add_level<LEVEL>(a, b, std::make_integer_sequence<int, kLanes>{});
+template <int LEVEL, typename Op>
+inline vfloat combine_level(vfloat a, vfloat b) {
+  return combine_level<LEVEL, Op>(a, b, std::make_integer_sequence<int, kLanes>{});
 }
 
-inline vfloat transposed_sum(const vfloat* v) {
+template <typename Op>
+inline vfloat transposed_reduce(const vfloat* v) {
   vfloat pairs[kLanes / 2], quads[kLanes / 4];
-  for (int i = 0; i < kLanes / 2; ++i) pairs[i] = add_level<kUnpack32>(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < kLanes / 2; ++i) {
+    pairs[i] = combine_level<kUnpack32, Op>(v[2 * i], v[2 * i + 1]);
+  }
   for (int i = 0; i < kLanes / 4; ++i) {
-    quads[i] = add_level<kUnpack64>(pairs[2 * i], pairs[2 * i + 1]);
+    quads[i] = combine_level<kUnpack64, Op>(pairs[2 * i], pairs[2 * i + 1]);
   }
 #if PAGEDSERVE_LANES == 16
-  return add_level<kLanePairs>(add_level<kLanePairs>(quads[0], quads[1]),
-                               add_level<kLanePairs>(quads[2], quads[3]));
+  return combine_level<kLanePairs, Op>(combine_level<kLanePairs, Op>(quads[0], quads[1]),
+                                       combine_level<kLanePairs, Op>(quads[2], quads[3]));
 #else
-  return add_level<kLanePairs>(quads[0], quads[1]);
+  return combine_level<kLanePairs, Op>(quads[0], quads[1]);
 #endif
 }
+inline vfloat transposed_sum(const vfloat* v) { return transposed_reduce<Plus>(v); }
+// Lane r the maximum of v[r]'s lanes.
+inline vfloat transposed_max(const vfloat* v) { return transposed_reduce<Max>(v); }
 
 // scores[t] = q . k[t] for keys [0, num_keys). A row's query chunks stay in registers.
 // `offset`: where this kv head starts in each key row (rows may span several heads).

@@ -97,13 +97,14 @@ struct PrefetchShare {
   const char* next;  // the next panel, or nullptr
   int64_t first, last;
   int parts;
+  int countdown = 0;  // steps of the pass until the next request
   PrefetchShare(const char* next_panel, int64_t steps, int part, int num_parts)
       : next(next_panel),
         first(steps * part / num_parts),
         last(steps * (part + 1) / num_parts),
         parts(num_parts) {}
-  // Called once per step of the pass (`countdown` starts at 0).
-  inline void on_step(int& countdown) {
+  // Called once per step of the pass.
+  inline void on_step() {
     if (next == nullptr || countdown-- > 0) return;
     countdown = parts - 1;
     if (first < last) prefetch_step(next, first++);
@@ -115,9 +116,8 @@ template <int ROWS>
 void panel_rows_f32(const float* x, int64_t ldx, const float* panel, int64_t k, float* out,
                     int64_t ldo, int cols, PrefetchShare ahead) {
   vfloat acc[ROWS][kNV] = {};
-  int countdown = 0;
   for (int64_t i = 0; i < k; ++i) {
-    ahead.on_step(countdown);
+    ahead.on_step();
     vfloat w[kNV];
     for (int v = 0; v < kNV; ++v) w[v] = load(panel + i * kPanel + v * kLanes);
     for (int r = 0; r < ROWS; ++r) {
@@ -149,9 +149,8 @@ void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int6
   __m512 acc[ROWS][kNV];
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < kNV; ++v) acc[r][v] = _mm512_setzero_ps();
-  int countdown = 0;
   for (int64_t i = 0; i < pairs; ++i) {
-    ahead.on_step(countdown);
+    ahead.on_step();
     __m512bh w[kNV];
     for (int v = 0; v < kNV; ++v)
       w[v] = (__m512bh)_mm512_loadu_si512(panel + (i * kPanel + v * kLanes) * 2);
@@ -214,9 +213,8 @@ void panel_tiles(const uint16_t* x0, const uint16_t* x1, int64_t ldx_bytes, cons
     _tile_zero(PANEL_SUMS11);
   }
   constexpr int64_t kRowBytes = kPanel * 4;  // one pair of k for every column of the panel
-  int countdown = 0;
   for (int64_t i = 0; i < pairs; i += kTilePairs) {
-    for (int64_t pair = i; pair < i + kTilePairs; ++pair) ahead.on_step(countdown);
+    for (int step = 0; step < kTilePairs; ++step) ahead.on_step();  // a step: one pair of k
     const uint16_t* w = panel + i * kPanel * 2;
     _tile_stream_loadd(PANEL_W0, w, kRowBytes);
     _tile_stream_loadd(PANEL_W1, w + kLanes * 2, kRowBytes);

@@ -135,27 +135,6 @@ inline void pack_span(const HeadTask& task, int key_base,
   }
 }
 
-// The lane-wise maxima of 16 vectors as one vector, lane r the maximum of v[r]: transposed_sum's
-// network (paged_attention.cpp) with max for +.
-template <int LEVEL, int... I>
-inline vfloat max_level(vfloat a, vfloat b, std::integer_sequence<int, I...>) {
-  const vfloat x = shuffle<level_source<LEVEL>(I)...>(a, b);
-  const vfloat y = shuffle<(level_source<LEVEL>(I) + level_step<LEVEL>())...>(a, b);
-  return x > y ? x : y;
-}
-template <int LEVEL>
-inline vfloat max_level(vfloat a, vfloat b) {
-  return max_level<LEVEL>(a, b, std::make_integer_sequence<int, 16>{});
-}
-inline vfloat transposed_max(const vfloat* v) {
-  static_assert(kLanes == 16, "tile products run on AVX-512 builds");
-  vfloat pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i) pairs[i] = max_level<kUnpack32>(v[2 * i], v[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) quads[i] = max_level<kUnpack64>(pairs[2 * i], pairs[2 * i + 1]);
-  return max_level<kLanePairs>(max_level<kLanePairs>(quads[0], quads[1]),
-                               max_level<kLanePairs>(quads[2], quads[3]));
-}
-
 // The online softmax of one group's 16 rows over one span's 32 scores (scores: 16 x 32 float32,
 // scaled and masked in place): probabilities into probs (bfloat16, the P tile's rows), each row's
 // accumulator rescaled when its maximum grows; group_max and group_sum hold the 16 rows' running
