@@ -421,6 +421,70 @@ def test_cpu_kernel_matches_reference_on_bfloat16_decode_tokens_of_every_length(
     matches_reference(cpu_backend, batch, **options)
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group_size", [1, 3])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"sliding_window": 100}, {"sliding_window": 20}, {"softcap": 2.0}, {"sinks": "per head"}],
+    ids=["plain", "window", "short-window", "softcap", "sinks"],
+)
+def test_cpu_kernel_matches_reference_on_long_bfloat16_prefill_chunks(
+    cpu_backend, paged_batch, matches_reference, block_size, head_dim, group_size, options
+):
+    # bfloat16 prefill chunks take tile_attention.h where the build has AVX512_BF16 (the float
+    # tiles elsewhere): work items of up to 64 tokens, groups of 16 rows, keys packed 256 at a
+    # time in spans of 32, and a group skips the spans and blocks none of its rows sees. A chunk
+    # of 200 after 330 cached keys (three full items and a partial one, keys over three blocks; a
+    # window leaves whole blocks unseen by later rows), a whole prompt of 64 (an item's edge), 16
+    # tokens after 17 (with group 1, the group's last row is the first key of the second span)
+    # and 40 after 130 (with group 1 and the 20-key window, the first key a group's first row sees
+    # is the last of a span). At head_dim 64 AMX keeps a group's accumulators in tiles, at 128 not.
+    num_kv_heads = 2
+    batch = paged_batch(
+        [200, 64, 16, 40],
+        [530, 64, 33, 170],
+        num_heads=num_kv_heads * group_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        seed=block_size + head_dim + group_size,
+    )
+    if options.get("sinks"):
+        options = {"sinks": torch.linspace(-2.0, 3.0, num_kv_heads * group_size)}
+    matches_reference(cpu_backend, batch, **options)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_kernel_rescales_what_a_row_accumulated_when_its_maximum_climbs(
+    cpu_backend, paged_batch, matches_reference, head_dim
+):
+    # Scores that rise with the key's position, by 30 logits over 300 keys: each row's maximum
+    # passes the reference its probabilities were taken against again and again, so what it had
+    # accumulated must be rescaled each time (the tile path moves its reference only past a
+    # margin of ln 256; a missed rescale leaves early keys weighted up to 256x too much).
+    seq_len, num_kv_heads, group_size = 300, 2, 3
+    query, key_cache, value_cache, meta = paged_batch(
+        [seq_len],
+        [seq_len],
+        num_heads=num_kv_heads * group_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=torch.bfloat16,
+        seed=head_dim,
+    )
+    # Query rows of ones, keys of 0.8 * p / head_dim plus a little noise: score = 0.125 * q . k
+    # = 0.1 * p (+ noise).
+    query.fill_(1.0)
+    for position in range(seq_len):
+        block, offset = meta.block_tables[0, position // 16], position % 16
+        noise = 0.1 * key_cache[block, offset].float()
+        key_cache[block, offset] = (noise + 0.8 * position / head_dim).to(torch.bfloat16)
+    matches_reference(cpu_backend, (query, key_cache, value_cache, meta))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_cpu_kernel_lets_no_stale_slot_into_a_result(cpu_backend, paged_batch, dtype, block_size):

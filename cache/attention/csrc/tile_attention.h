@@ -4,7 +4,8 @@
 //
 // The vector path scores a row against a key with one dot product at a time (and a horizontal sum
 // per key) and accumulates values with one FMA per value vector. Here both products of attention
-// run per span of 32 keys on operands packed once per span and shared by every row of the item:
+// run per span of 32 keys on operands packed once per span and shared by every row of the item
+// (up to 64 tokens x the GQA group), in groups of 16 rows:
 //
 //   S (rows x 32 keys) = Q (rows x head_dim) . K^T
 //   O (rows x head_dim) += P (rows x 32 keys) . V
@@ -24,7 +25,14 @@
 // Between the two products each row's online softmax (running maximum, rescaled sums) runs on its
 // 32 scores as two AVX-512 vectors, 16 rows at a time (softmax_group), and its probabilities are
 // rounded to bfloat16 for the second product (as SDPA's bfloat16 kernel does); sums, maxima and
-// accumulators stay float32.
+// accumulators stay float32. A row's accumulators are rescaled only when its maximum passes the
+// reference by a margin (kRescaleMargin), which lets AMX keep them in tile registers.
+//
+// attend_head packs a block of 8 spans, then runs each group of rows over all of them before the
+// next group: at head_dim 64 the group's Q and O stay in AMX tiles for the block. With the
+// 64-token items, the margin and shorter exponentials (exp2_lanes), a 1,024-token chunk on AMX
+// took 1.44-1.75 ms against 2.02-2.29 before (1.27-1.42x; 2-core Sapphire Rapids, interleaved
+// rounds); software-pipelining the next span's scores ahead of the softmax gained nothing.
 //
 // Keys outside [first_key, num_keys) never reach a sum: their scores are masked to -inf (so their
 // probability is 0) and their packed values are zeros, since 0 * a stale slot's NaN would be NaN.
@@ -45,6 +53,17 @@ namespace tiles {
 #define AMX_OUTPUT 4   // 16 dims of O
 #define AMX_PROBS 5    // P
 #define AMX_VALUES 6   // the same 16 dims of V
+// At head_dim 64, where a group's Q and O stay in tiles (AmxProducts):
+#define AMX_HELD_OUTPUT0 0  // O, dims 0-15
+#define AMX_HELD_OUTPUT1 1  // dims 16-31
+#define AMX_HELD_OUTPUT2 2  // dims 32-47
+#define AMX_HELD_OUTPUT3 3  // dims 48-63
+#define AMX_HELD_QUERY0 4   // Q, dims 0-31
+#define AMX_HELD_QUERY1 5   // dims 32-63
+#define AMX_HELD_SCORES 6   // S for 16 keys; then P
+#define AMX_HELD_PROBS 6
+#define AMX_HELD_KEYS 7     // 32 dims of K^T for 16 keys; then 16 dims of V
+#define AMX_HELD_VALUES 7
 
 #endif  // PAGEDSERVE_AMX
 
@@ -135,10 +154,40 @@ inline void pack_span(const HeadTask& task, int key_base,
   }
 }
 
+// 2^t, 16 lanes, for t <= 8 (the probabilities below: at most the rescaling margin's 256). t = n + f
+// with n an integer and |f| <= 1/2; 2^f by a degree-5 polynomial (a relative minimax fit: error
+// ~2e-7 in float32, rounding level), times 2^n by vscalefps. Lanes below -125 (whose results would
+// be float32 subnormals, which cost microcode assists, or 0), -inf and NaN included, give exactly
+// 0. 10 instructions where exp_nonpositive's portable version takes ~17: the softmax is bound by
+// the vector units' throughput, and this took a 1,024-token bfloat16 chunk from 1.93 to 1.75 ms
+// on AMX (2-core Sapphire Rapids, interleaved rounds).
+inline __m512 exp2_lanes(__m512 t) {
+  const __mmask16 in_range = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3264563167467713e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.671463631093502e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550733581185341e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022242426872253e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931470036506653e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(in_range, p, n);
+}
+
+constexpr float kLog2e = 1.44269504088896341f;
+// How far (in logits) a row's maximum may pass the reference its probabilities are taken against
+// before the reference moves: ln 256, so a probability is at most 256, which float32 sums and
+// bfloat16 probabilities hold with their usual relative precision. Moving the reference means
+// rescaling what the row accumulated (online softmax); with the margin that happens a few times a
+// row, not on every span whose maximum grew by a little.
+constexpr float kRescaleMargin = 5.545177444479562f;
+
 // The online softmax of one group's 16 rows over one span's 32 scores (scores: 16 x 32 float32,
-// scaled and masked in place): probabilities into probs (bfloat16, the P tile's rows), each row's
-// accumulator rescaled when its maximum grows; group_max and group_sum hold the 16 rows' running
-// maxima and sums. Rows past the item's last are padding: probability 0 everywhere.
+// raw q . k, or scaled and masked in place): probabilities into probs (bfloat16, the P tile's
+// rows) under each row's reference maximum (group_max), and the rows' sums (group_sum) carried to
+// that reference. Returns the rows whose accumulators must be multiplied by factors[r] because
+// their reference moved (rows that had accumulated nothing need not be). Rows past the item's
+// last are padding: probability 0 everywhere.
 //
 // The 16 rows' maxima and sums are each one vector, reduced across lanes for all rows at once
 // (transposed_max, transposed_sum: 15 operations and 30 shuffles for 16 rows), and the rescaling
@@ -149,9 +198,9 @@ inline void pack_span(const HeadTask& task, int key_base,
 // 8.21 ms on the AVX512_BF16 products without AMX (interleaved rounds, 2-core Sapphire Rapids).
 // Masks are built only for spans on the causal diagonal or a window's edge.
 template <int HEAD_DIM>
-inline void softmax_group(const HeadTask& task, int group, int key_base, float (*scores)[32],
-                          uint16_t (*probs)[32], float* group_acc, float* group_max,
-                          float* group_sum) {
+inline __mmask16 softmax_group(const HeadTask& task, int group, int key_base, float (*scores)[32],
+                               uint16_t (*probs)[32], float* group_max, float* group_sum,
+                               float* factors) {
   const int m0 = group * 16;
   const int last_row = std::min(task.num_rows, m0 + 16) - 1;
   const int low_position = task.first_position + m0 / task.group_size;
@@ -161,6 +210,10 @@ inline void softmax_group(const HeadTask& task, int group, int key_base, float (
   const bool unmasked =
       key_base + 31 <= low_position &&
       (task.sliding_window <= 0 || key_base >= high_position - task.sliding_window + 1);
+  // Unmasked spans without a softcap keep their raw scores: the maxima are taken raw (scaling by
+  // a positive number keeps the order) and the scale is folded into the exponent below. Other
+  // spans are scaled, capped and masked in place first.
+  const bool raw = unmasked && task.softcap <= 0.0f;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale = _mm512_set1_ps(task.scale);
@@ -170,6 +223,8 @@ inline void softmax_group(const HeadTask& task, int group, int key_base, float (
     __m512 x[2];
     if (m > last_row) {
       x[0] = x[1] = minus_inf;
+    } else if (raw) {
+      for (int h = 0; h < 2; ++h) x[h] = _mm512_load_ps(scores[r] + 16 * h);
     } else {
       for (int h = 0; h < 2; ++h) x[h] = _mm512_mul_ps(_mm512_load_ps(scores[r] + 16 * h), scale);
       if (task.softcap > 0.0f) {
@@ -191,50 +246,75 @@ inline void softmax_group(const HeadTask& task, int group, int key_base, float (
         }
       }
     }
-    _mm512_store_ps(scores[r], x[0]);
-    _mm512_store_ps(scores[r] + 16, x[1]);
+    if (m > last_row || !raw) {
+      _mm512_store_ps(scores[r], x[0]);
+      _mm512_store_ps(scores[r] + 16, x[1]);
+    }
     row_maxima[r] = (vfloat)_mm512_max_ps(x[0], x[1]);
   }
+  __m512 span_max = (__m512)transposed_max(row_maxima);
+  if (raw) span_max = _mm512_mul_ps(span_max, scale);
+  // A row's reference moves to the span's maximum only past the margin (from -inf: at its first
+  // visible key).
   const __m512 old_max = _mm512_loadu_ps(group_max);
-  const __m512 new_max = _mm512_max_ps(old_max, (__m512)transposed_max(row_maxima));
+  const __mmask16 moved = _mm512_cmp_ps_mask(
+      span_max, _mm512_add_ps(old_max, _mm512_set1_ps(kRescaleMargin)), _CMP_GT_OQ);
+  const __m512 new_max = _mm512_mask_mov_ps(old_max, moved, span_max);
   // Rows that have seen no key yet, here or before, subtract 0: their -inf scores give 0.
   const __mmask16 seen = _mm512_cmp_ps_mask(new_max, minus_inf, _CMP_NEQ_OQ);
+  // p = e^(score * scale - reference) = 2^(score * c - reference * log2(e)), c = scale * log2(e)
+  // for raw scores and log2(e) for scaled ones: one fused multiply-subtract per vector.
+  const __m512 c = _mm512_set1_ps(raw ? task.scale * kLog2e : kLog2e);
   alignas(64) float base[16];
-  _mm512_store_ps(base, _mm512_maskz_mov_ps(seen, new_max));
+  _mm512_store_ps(base, _mm512_mul_ps(_mm512_maskz_mov_ps(seen, new_max), _mm512_set1_ps(kLog2e)));
   vfloat row_sums[16];
   for (int r = 0; r < 16; ++r) {
     const __m512 b = _mm512_set1_ps(base[r]);
-    const __m512 p0 = (__m512)exp_nonpositive((vfloat)_mm512_sub_ps(_mm512_load_ps(scores[r]), b));
-    const __m512 p1 =
-        (__m512)exp_nonpositive((vfloat)_mm512_sub_ps(_mm512_load_ps(scores[r] + 16), b));
+    const __m512 p0 = exp2_lanes(_mm512_fmsub_ps(_mm512_load_ps(scores[r]), c, b));
+    const __m512 p1 = exp2_lanes(_mm512_fmsub_ps(_mm512_load_ps(scores[r] + 16), c, b));
     row_sums[r] = (vfloat)_mm512_add_ps(p0, p1);
     _mm512_store_si512(probs[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // keys 0-15, then 16-31
   }
-  // e^(old - new) for rows whose maximum grew (0 for their first keys: nothing accumulated yet),
-  // e^0 = 1 for the others.
-  const __mmask16 grown = _mm512_cmp_ps_mask(new_max, old_max, _CMP_GT_OQ);
-  const __m512 correction =
-      (__m512)exp_nonpositive((vfloat)_mm512_maskz_sub_ps(grown, old_max, new_max));
+  // e^(old - new) for rows whose reference moved (0 from -inf: nothing accumulated yet), e^0 = 1
+  // for the others.
+  const __m512 correction = exp2_lanes(_mm512_maskz_mul_ps(
+      moved, _mm512_sub_ps(old_max, new_max), _mm512_set1_ps(kLog2e)));
   _mm512_storeu_ps(group_sum, _mm512_fmadd_ps(_mm512_loadu_ps(group_sum), correction,
                                               (__m512)transposed_sum(row_sums)));
   _mm512_storeu_ps(group_max, new_max);
-  if (grown != 0) {
-    alignas(64) float factors[16];
-    _mm512_store_ps(factors, correction);
-    for (unsigned rows = grown; rows != 0; rows &= rows - 1) {
-      const int r = __builtin_ctz(rows);
-      const __m512 factor = _mm512_set1_ps(factors[r]);
-      float* acc = group_acc + r * HEAD_DIM;
-      for (int d = 0; d < HEAD_DIM; d += 16)
-        _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), factor));
-    }
+  const __mmask16 rescale = moved & _mm512_cmp_ps_mask(old_max, minus_inf, _CMP_NEQ_OQ);
+  if (rescale != 0) _mm512_storeu_ps(factors, correction);
+  return rescale;
+}
+
+// Each row r in `rows` of a group's accumulators (16 x head_dim float32) times factors[r].
+template <int HEAD_DIM>
+inline void scale_rows(float* group_acc, __mmask16 rows, const float* factors) {
+  for (unsigned left = rows; left != 0; left &= left - 1) {
+    const int r = __builtin_ctz(left);
+    const __m512 factor = _mm512_set1_ps(factors[r]);
+    float* acc = group_acc + r * HEAD_DIM;
+    for (int d = 0; d < HEAD_DIM; d += 16)
+      _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), factor));
   }
 }
 
-// The two products of one span for a group of 16 rows: scores (16 x 32 float32) = Q . K^T, with
-// group_query 16 rows of head_dim bfloat16; then group_acc (16 rows of head_dim float32) += P . V.
-// Padding rows past an item's last are zeros in Q and P.
+// One span's K^T and V tiles, packed for the products (pack_span).
+template <int HEAD_DIM>
+struct SpanTiles {
+  alignas(64) uint32_t keys_t[2][HEAD_DIM / 32][16][16];
+  alignas(64) uint16_t values_vnni[HEAD_DIM / 16][16][32];
+};
+
+// The products of attention for one group of 16 rows, span after span: scores (16 x 32 float32)
+// = Q . K^T, with group_query 16 rows of head_dim bfloat16; then group_acc (16 rows of head_dim
+// float32) += P . V. Padding rows past an item's last are zeros in Q and P. begin_group and
+// end_group bracket a group's spans; rescale multiplies accumulator rows (softmax_group).
 #ifdef PAGEDSERVE_AMX
+// At head_dim 64 a group's Q (2 tiles) and O (4 tiles) stay in tile registers across its spans,
+// leaving two for the operands: a span then takes 9 tile loads and 2 stores where loading and
+// storing O and Q each span took 21 (tile loads and stores, not the products, bound this path).
+// At head_dim 128, O alone would fill all 8 tiles: O is loaded and stored each span.
 class AmxProducts {
  public:
   AmxProducts() {
@@ -246,41 +326,111 @@ class AmxProducts {
   AmxProducts& operator=(const AmxProducts&) = delete;
 
   template <int HEAD_DIM>
-  void scores(const uint16_t* group_query, const uint32_t (*keys_t)[HEAD_DIM / 32][16][16],
-              float (*scores)[32]) const {
-    _tile_zero(AMX_SCORES0);
-    _tile_zero(AMX_SCORES1);
-    for (int c = 0; c < HEAD_DIM / 32; ++c) {
-      _tile_loadd(AMX_QUERY, group_query + c * 32, HEAD_DIM * sizeof(uint16_t));
-      _tile_loadd(AMX_KEYS, keys_t[0][c], 64);
-      _tile_dpbf16ps(AMX_SCORES0, AMX_QUERY, AMX_KEYS);
-      _tile_loadd(AMX_KEYS, keys_t[1][c], 64);
-      _tile_dpbf16ps(AMX_SCORES1, AMX_QUERY, AMX_KEYS);
+  void begin_group(const uint16_t* group_query, const float* group_acc) const {
+    if constexpr (HEAD_DIM == 64) {
+      _tile_loadd(AMX_HELD_QUERY0, group_query, 64 * sizeof(uint16_t));
+      _tile_loadd(AMX_HELD_QUERY1, group_query + 32, 64 * sizeof(uint16_t));
+      load_held_output(group_acc);
     }
-    _tile_stored(AMX_SCORES0, &scores[0][0], 32 * sizeof(float));
-    _tile_stored(AMX_SCORES1, &scores[0][16], 32 * sizeof(float));
   }
 
   template <int HEAD_DIM>
-  void values(const uint16_t (*probs)[32], const uint16_t (*values_vnni)[16][32],
-              float* group_acc) const {
-    _tile_loadd(AMX_PROBS, probs, 32 * sizeof(uint16_t));
-    for (int g = 0; g < HEAD_DIM / 16; ++g) {
-      _tile_loadd(AMX_OUTPUT, group_acc + g * 16, HEAD_DIM * sizeof(float));
-      _tile_loadd(AMX_VALUES, values_vnni[g], 64);
-      _tile_dpbf16ps(AMX_OUTPUT, AMX_PROBS, AMX_VALUES);
-      _tile_stored(AMX_OUTPUT, group_acc + g * 16, HEAD_DIM * sizeof(float));
+  void end_group(float* group_acc) const {
+    if constexpr (HEAD_DIM == 64) store_held_output(group_acc);
+  }
+
+  template <int HEAD_DIM>
+  void rescale(float* group_acc, __mmask16 rows, const float* factors) const {
+    if constexpr (HEAD_DIM == 64) store_held_output(group_acc);
+    scale_rows<HEAD_DIM>(group_acc, rows, factors);
+    if constexpr (HEAD_DIM == 64) load_held_output(group_acc);
+  }
+
+  template <int HEAD_DIM>
+  void scores(const uint16_t* group_query, const SpanTiles<HEAD_DIM>& span,
+              float (*scores)[32]) const {
+    if constexpr (HEAD_DIM == 64) {
+      for (int half = 0; half < 2; ++half) {
+        _tile_zero(AMX_HELD_SCORES);
+        _tile_loadd(AMX_HELD_KEYS, span.keys_t[half][0], 64);
+        _tile_dpbf16ps(AMX_HELD_SCORES, AMX_HELD_QUERY0, AMX_HELD_KEYS);
+        _tile_loadd(AMX_HELD_KEYS, span.keys_t[half][1], 64);
+        _tile_dpbf16ps(AMX_HELD_SCORES, AMX_HELD_QUERY1, AMX_HELD_KEYS);
+        _tile_stored(AMX_HELD_SCORES, &scores[0][16 * half], 32 * sizeof(float));
+      }
+    } else {
+      _tile_zero(AMX_SCORES0);
+      _tile_zero(AMX_SCORES1);
+      for (int c = 0; c < HEAD_DIM / 32; ++c) {
+        _tile_loadd(AMX_QUERY, group_query + c * 32, HEAD_DIM * sizeof(uint16_t));
+        _tile_loadd(AMX_KEYS, span.keys_t[0][c], 64);
+        _tile_dpbf16ps(AMX_SCORES0, AMX_QUERY, AMX_KEYS);
+        _tile_loadd(AMX_KEYS, span.keys_t[1][c], 64);
+        _tile_dpbf16ps(AMX_SCORES1, AMX_QUERY, AMX_KEYS);
+      }
+      _tile_stored(AMX_SCORES0, &scores[0][0], 32 * sizeof(float));
+      _tile_stored(AMX_SCORES1, &scores[0][16], 32 * sizeof(float));
     }
+  }
+
+  template <int HEAD_DIM>
+  void values(const uint16_t (*probs)[32], const SpanTiles<HEAD_DIM>& span,
+              float* group_acc) const {
+    if constexpr (HEAD_DIM == 64) {
+      _tile_loadd(AMX_HELD_PROBS, probs, 32 * sizeof(uint16_t));
+      _tile_loadd(AMX_HELD_VALUES, span.values_vnni[0], 64);
+      _tile_dpbf16ps(AMX_HELD_OUTPUT0, AMX_HELD_PROBS, AMX_HELD_VALUES);
+      _tile_loadd(AMX_HELD_VALUES, span.values_vnni[1], 64);
+      _tile_dpbf16ps(AMX_HELD_OUTPUT1, AMX_HELD_PROBS, AMX_HELD_VALUES);
+      _tile_loadd(AMX_HELD_VALUES, span.values_vnni[2], 64);
+      _tile_dpbf16ps(AMX_HELD_OUTPUT2, AMX_HELD_PROBS, AMX_HELD_VALUES);
+      _tile_loadd(AMX_HELD_VALUES, span.values_vnni[3], 64);
+      _tile_dpbf16ps(AMX_HELD_OUTPUT3, AMX_HELD_PROBS, AMX_HELD_VALUES);
+    } else {
+      _tile_loadd(AMX_PROBS, probs, 32 * sizeof(uint16_t));
+      for (int g = 0; g < HEAD_DIM / 16; ++g) {
+        _tile_loadd(AMX_OUTPUT, group_acc + g * 16, HEAD_DIM * sizeof(float));
+        _tile_loadd(AMX_VALUES, span.values_vnni[g], 64);
+        _tile_dpbf16ps(AMX_OUTPUT, AMX_PROBS, AMX_VALUES);
+        _tile_stored(AMX_OUTPUT, group_acc + g * 16, HEAD_DIM * sizeof(float));
+      }
+    }
+  }
+
+ private:
+  static void load_held_output(const float* group_acc) {
+    constexpr int kStride = 64 * sizeof(float);
+    _tile_loadd(AMX_HELD_OUTPUT0, group_acc, kStride);
+    _tile_loadd(AMX_HELD_OUTPUT1, group_acc + 16, kStride);
+    _tile_loadd(AMX_HELD_OUTPUT2, group_acc + 32, kStride);
+    _tile_loadd(AMX_HELD_OUTPUT3, group_acc + 48, kStride);
+  }
+  static void store_held_output(float* group_acc) {
+    constexpr int kStride = 64 * sizeof(float);
+    _tile_stored(AMX_HELD_OUTPUT0, group_acc, kStride);
+    _tile_stored(AMX_HELD_OUTPUT1, group_acc + 16, kStride);
+    _tile_stored(AMX_HELD_OUTPUT2, group_acc + 32, kStride);
+    _tile_stored(AMX_HELD_OUTPUT3, group_acc + 48, kStride);
   }
 };
 #endif  // PAGEDSERVE_AMX
 
 // The same products by vdpbf16ps, each row's 32-bit pair (two dims of Q, two keys of P) broadcast
-// against 16 keys' or 16 dims' pairs; sums in 16 zmm registers per block of rows.
+// against 16 keys' or 16 dims' pairs; sums in 16 zmm registers per block of rows. The accumulators
+// stay in memory (L1: 4-8 KiB a group).
 class VectorProducts {
  public:
   template <int HEAD_DIM>
-  void scores(const uint16_t* group_query, const uint32_t (*keys_t)[HEAD_DIM / 32][16][16],
+  void begin_group(const uint16_t*, const float*) const {}
+  template <int HEAD_DIM>
+  void end_group(float*) const {}
+  template <int HEAD_DIM>
+  void rescale(float* group_acc, __mmask16 rows, const float* factors) const {
+    scale_rows<HEAD_DIM>(group_acc, rows, factors);
+  }
+
+  template <int HEAD_DIM>
+  void scores(const uint16_t* group_query, const SpanTiles<HEAD_DIM>& span,
               float (*scores)[32]) const {
     constexpr int kRows = 8;  // x 2 halves of 16 keys
     for (int r0 = 0; r0 < 16; r0 += kRows) {
@@ -288,8 +438,8 @@ class VectorProducts {
       for (auto& row : sums) row[0] = row[1] = _mm512_setzero_ps();
       for (int c = 0; c < HEAD_DIM / 32; ++c) {
         for (int pair = 0; pair < 16; ++pair) {
-          const __m512bh keys0 = (__m512bh)_mm512_load_si512(keys_t[0][c][pair]);
-          const __m512bh keys1 = (__m512bh)_mm512_load_si512(keys_t[1][c][pair]);
+          const __m512bh keys0 = (__m512bh)_mm512_load_si512(span.keys_t[0][c][pair]);
+          const __m512bh keys1 = (__m512bh)_mm512_load_si512(span.keys_t[1][c][pair]);
           const uint16_t* query_pairs = group_query + c * 32 + 2 * pair;
           for (int r = 0; r < kRows; ++r) {
             const __m512bh q = broadcast_pair(query_pairs + (r0 + r) * HEAD_DIM);
@@ -306,7 +456,7 @@ class VectorProducts {
   }
 
   template <int HEAD_DIM>
-  void values(const uint16_t (*probs)[32], const uint16_t (*values_vnni)[16][32],
+  void values(const uint16_t (*probs)[32], const SpanTiles<HEAD_DIM>& span,
               float* group_acc) const {
     constexpr int kGroups = HEAD_DIM / 16;  // of 16 dims
     constexpr int kRows = 16 / kGroups;     // 4 rows at head_dim 64, 2 at 128
@@ -318,7 +468,7 @@ class VectorProducts {
       for (int pair = 0; pair < 16; ++pair) {
         __m512bh values[kGroups];
         for (int g = 0; g < kGroups; ++g)
-          values[g] = (__m512bh)_mm512_load_si512(values_vnni[g][pair]);
+          values[g] = (__m512bh)_mm512_load_si512(span.values_vnni[g][pair]);
         for (int r = 0; r < kRows; ++r) {
           const __m512bh p = broadcast_pair(probs[r0 + r] + 2 * pair);
           for (int g = 0; g < kGroups; ++g) out[r][g] = _mm512_dpbf16_ps(out[r][g], p, values[g]);
@@ -338,6 +488,23 @@ class VectorProducts {
   }
 };
 
+// Whether no row of a group of 16 sees any of the keys [key_base, key_end): its last row (causal)
+// sits before them, or its first row's window starts after them. Its softmax would leave the
+// group's maxima, sums and accumulators exactly as they were; skipping saves the products too.
+inline bool group_sees_nothing(const HeadTask& task, int group, int key_base, int key_end) {
+  const int m0 = group * 16;
+  const int last_row = std::min(task.num_rows, m0 + 16) - 1;
+  const int low_position = task.first_position + m0 / task.group_size;
+  const int high_position = task.first_position + last_row / task.group_size;
+  return key_base > high_position ||
+         (task.sliding_window > 0 && key_end <= low_position - task.sliding_window + 1);
+}
+
+// Spans packed at a time (256 keys: 64 KiB of tiles at head_dim 64, in L2), each group of rows
+// then running over all of them: what stays in tiles across a group's spans (AmxProducts) is
+// loaded and stored once per block rather than once per span.
+constexpr int kBlockSpans = 8;
+
 // One kv head of a work item, on whichever Products the build and the OS allow.
 // Out of line: inlined into an fp8 attend_item (whose decode items never come here), it made that
 // function's decode path 1.2x slower.
@@ -356,19 +523,38 @@ __attribute__((noinline)) void attend_head(const HeadTask& task) {
       row_sum[m] = 1.0f;
     }
   }
-  alignas(64) uint32_t keys_t[2][HEAD_DIM / 32][16][16];
-  alignas(64) uint16_t values_vnni[HEAD_DIM / 16][16][32];
-  alignas(64) float scores[16][32];
+  // 64-128 KiB: kept per thread rather than allocated (and page-faulted) per call.
+  static thread_local std::vector<SpanTiles<HEAD_DIM>> spans(kBlockSpans);
+  alignas(64) float scores[2][16][32];  // two spans' (software pipelining)
   alignas(64) uint16_t probs[16][32];
+  alignas(64) float factors[16];
   const Products products;
-  for (int key_base = task.first_key / 16 * 16; key_base < task.num_keys; key_base += 32) {
-    pack_span<HEAD_DIM, FP8>(task, key_base, keys_t, values_vnni);
+  constexpr int kBlockKeys = 32 * kBlockSpans;
+  for (int block_base = task.first_key / 16 * 16; block_base < task.num_keys;
+       block_base += kBlockKeys) {
+    const int block_end = std::min(task.num_keys, block_base + kBlockKeys);
+    const int num_spans = (block_end - block_base + 31) / 32;
+    for (int s = 0; s < num_spans; ++s) {
+      pack_span<HEAD_DIM, FP8>(task, block_base + 32 * s, spans[s].keys_t,
+                               spans[s].values_vnni);
+    }
     for (int group = 0; group < num_groups; ++group) {
+      if (group_sees_nothing(task, group, block_base, block_end)) continue;
+      const uint16_t* group_query = query.data() + group * 16 * HEAD_DIM;
       float* group_acc = acc.data() + group * 16 * HEAD_DIM;
-      products.template scores<HEAD_DIM>(query.data() + group * 16 * HEAD_DIM, keys_t, scores);
-      softmax_group<HEAD_DIM>(task, group, key_base, scores, probs, group_acc,
-                              row_max.data() + group * 16, row_sum.data() + group * 16);
-      products.template values<HEAD_DIM>(probs, values_vnni, group_acc);
+      float* group_max = row_max.data() + group * 16;
+      float* group_sum = row_sum.data() + group * 16;
+      products.template begin_group<HEAD_DIM>(group_query, group_acc);
+      for (int s = 0; s < num_spans; ++s) {
+        const int key_base = block_base + 32 * s;
+        if (group_sees_nothing(task, group, key_base, key_base + 32)) continue;
+        products.template scores<HEAD_DIM>(group_query, spans[s], scores[0]);
+        const __mmask16 rescale = softmax_group<HEAD_DIM>(task, group, key_base, scores[0], probs,
+                                                          group_max, group_sum, factors);
+        if (rescale != 0) products.template rescale<HEAD_DIM>(group_acc, rescale, factors);
+        products.template values<HEAD_DIM>(probs, spans[s], group_acc);
+      }
+      products.template end_group<HEAD_DIM>(group_acc);
     }
   }
   for (int m = 0; m < task.num_rows; ++m) {
@@ -387,6 +573,16 @@ __attribute__((noinline)) void attend_head(const HeadTask& task) {
 #undef AMX_OUTPUT
 #undef AMX_PROBS
 #undef AMX_VALUES
+#undef AMX_HELD_OUTPUT0
+#undef AMX_HELD_OUTPUT1
+#undef AMX_HELD_OUTPUT2
+#undef AMX_HELD_OUTPUT3
+#undef AMX_HELD_QUERY0
+#undef AMX_HELD_QUERY1
+#undef AMX_HELD_SCORES
+#undef AMX_HELD_PROBS
+#undef AMX_HELD_KEYS
+#undef AMX_HELD_VALUES
 #endif  // PAGEDSERVE_AMX
 
 }  // namespace tiles
