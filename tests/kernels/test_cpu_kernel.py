@@ -435,8 +435,9 @@ def test_cpu_kernel_matches_reference_on_long_bfloat16_prefill_chunks(
     # bfloat16 prefill chunks take tile_attention.h where the build has AVX512_BF16 (the float
     # tiles elsewhere): work items of up to 64 tokens, groups of 16 rows, keys packed 256 at a
     # time in spans of 32, and a group skips the spans and blocks none of its rows sees. A chunk
-    # of 200 after 330 cached keys (three full items and a partial one, keys over three blocks; a
-    # window leaves whole blocks unseen by later rows), a whole prompt of 64 (an item's edge), 16
+    # of 200 after 330 cached keys (three full items and a partial one, keys over three blocks;
+    # the first groups of the third item see nothing of its last block, and a window leaves early
+    # spans unseen by later rows), a whole prompt of 64 (an item's edge), 16
     # tokens after 17 (with group 1, the group's last row is the first key of the second span)
     # and 40 after 130 (with group 1 and the 20-key window, the first key a group's first row sees
     # is the last of a span). At head_dim 64 AMX keeps a group's accumulators in tiles, at 128 not.
@@ -457,13 +458,15 @@ def test_cpu_kernel_matches_reference_on_long_bfloat16_prefill_chunks(
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("sinks", [False, True])
 def test_cpu_kernel_rescales_what_a_row_accumulated_when_its_maximum_climbs(
-    cpu_backend, paged_batch, matches_reference, head_dim
+    cpu_backend, paged_batch, matches_reference, head_dim, sinks
 ):
     # Scores that rise with the key's position, by 30 logits over 300 keys: each row's maximum
     # passes the reference its probabilities were taken against again and again, so what it had
     # accumulated must be rescaled each time (the tile path moves its reference only past a
-    # margin of ln 256; a missed rescale leaves early keys weighted up to 256x too much).
+    # margin of ln 256; a missed rescale leaves early keys weighted up to 256x too much). With
+    # sinks, each row's first reference is its sink's logit (3), which the scores pass later.
     seq_len, num_kv_heads, group_size = 300, 2, 3
     query, key_cache, value_cache, meta = paged_batch(
         [seq_len],
@@ -482,7 +485,8 @@ def test_cpu_kernel_rescales_what_a_row_accumulated_when_its_maximum_climbs(
         block, offset = meta.block_tables[0, position // 16], position % 16
         noise = 0.1 * key_cache[block, offset].float()
         key_cache[block, offset] = (noise + 0.8 * position / head_dim).to(torch.bfloat16)
-    matches_reference(cpu_backend, (query, key_cache, value_cache, meta))
+    options = {"sinks": torch.full((num_kv_heads * group_size,), 3.0)} if sinks else {}
+    matches_reference(cpu_backend, (query, key_cache, value_cache, meta), **options)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

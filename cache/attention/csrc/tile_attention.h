@@ -31,8 +31,9 @@
 // attend_head packs a block of 8 spans, then runs each group of rows over all of them before the
 // next group: at head_dim 64 the group's Q and O stay in AMX tiles for the block. With the
 // 64-token items, the margin and shorter exponentials (exp2_lanes), a 1,024-token chunk on AMX
-// took 1.44-1.75 ms against 2.02-2.29 before (1.27-1.42x; 2-core Sapphire Rapids, interleaved
-// rounds); software-pipelining the next span's scores ahead of the softmax gained nothing.
+// took 1.59-1.65 ms against 2.02-2.29 before (1.27-1.42x; 2-core Sapphire Rapids, both builds in
+// one process, interleaved rounds); software-pipelining the next span's scores ahead of the
+// softmax gained nothing.
 //
 // Keys outside [first_key, num_keys) never reach a sum: their scores are masked to -inf (so their
 // probability is 0) and their packed values are zeros, since 0 * a stale slot's NaN would be NaN.
@@ -156,9 +157,9 @@ inline void pack_span(const HeadTask& task, int key_base,
 
 // 2^t, 16 lanes, for t <= 8 (the probabilities below: at most the rescaling margin's 256). t = n + f
 // with n an integer and |f| <= 1/2; 2^f by a degree-5 polynomial (a relative minimax fit: error
-// ~2e-7 in float32, rounding level), times 2^n by vscalefps. Lanes below -125 (whose results would
-// be float32 subnormals, which cost microcode assists, or 0), -inf and NaN included, give exactly
-// 0. 10 instructions where exp_nonpositive's portable version takes ~17: the softmax is bound by
+// ~2e-7 in float32, rounding level), times 2^n by vscalefps. Lanes below -125 (near float32's
+// subnormals, which cost microcode assists, and as good as 0 after normalising), -inf and NaN
+// included, give exactly 0. 10 instructions where exp_nonpositive's portable version takes ~17: the softmax is bound by
 // the vector units' throughput, and this took a 1,024-token bfloat16 chunk from 1.93 to 1.75 ms
 // on AMX (2-core Sapphire Rapids, interleaved rounds).
 inline __m512 exp2_lanes(__m512 t) {
@@ -525,7 +526,7 @@ __attribute__((noinline)) void attend_head(const HeadTask& task) {
   }
   // 64-128 KiB: kept per thread rather than allocated (and page-faulted) per call.
   static thread_local std::vector<SpanTiles<HEAD_DIM>> spans(kBlockSpans);
-  alignas(64) float scores[2][16][32];  // two spans' (software pipelining)
+  alignas(64) float scores[16][32];
   alignas(64) uint16_t probs[16][32];
   alignas(64) float factors[16];
   const Products products;
@@ -548,8 +549,8 @@ __attribute__((noinline)) void attend_head(const HeadTask& task) {
       for (int s = 0; s < num_spans; ++s) {
         const int key_base = block_base + 32 * s;
         if (group_sees_nothing(task, group, key_base, key_base + 32)) continue;
-        products.template scores<HEAD_DIM>(group_query, spans[s], scores[0]);
-        const __mmask16 rescale = softmax_group<HEAD_DIM>(task, group, key_base, scores[0], probs,
+        products.template scores<HEAD_DIM>(group_query, spans[s], scores);
+        const __mmask16 rescale = softmax_group<HEAD_DIM>(task, group, key_base, scores, probs,
                                                           group_max, group_sum, factors);
         if (rescale != 0) products.template rescale<HEAD_DIM>(group_acc, rescale, factors);
         products.template values<HEAD_DIM>(probs, spans[s], group_acc);
