@@ -405,20 +405,31 @@ def test_cpu_kernel_matches_reference_on_bfloat16_decode_tokens_of_every_length(
     # an AMX decode path tried in the 29th session used), a window that starts mid-block, and a
     # prefill chunk beside them (a token of it alone in a work item is not a decode token).
     seq_lens = [1, 15, 16, 17, 255, 256, 257, 600]
-    num_kv_heads = 2
-    batch = paged_batch(
-        [1] * len(seq_lens) + [5],
-        [*seq_lens, 300],
-        num_heads=num_kv_heads * group_size,
-        num_kv_heads=num_kv_heads,
+    batch = _bfloat16_batch(
+        paged_batch, [1] * len(seq_lens) + [5], [*seq_lens, 300], group_size, head_dim, block_size
+    )
+    matches_reference(cpu_backend, batch, **_resolve(options, group_size))
+
+
+def _bfloat16_batch(paged_batch, query_lens, seq_lens, group_size, head_dim, block_size):
+    """A bfloat16 batch over a bfloat16 cache with 2 kv heads of `group_size` query heads each."""
+    return paged_batch(
+        query_lens,
+        seq_lens,
+        num_heads=2 * group_size,
+        num_kv_heads=2,
         head_dim=head_dim,
         block_size=block_size,
         dtype=torch.bfloat16,
         seed=block_size + head_dim + group_size,
     )
+
+
+def _resolve(options, group_size):
+    """The parametrised options with "per head" sinks made a tensor for _bfloat16_batch's heads."""
     if options.get("sinks"):
-        options = {"sinks": torch.linspace(-2.0, 3.0, num_kv_heads * group_size)}
-    matches_reference(cpu_backend, batch, **options)
+        return {"sinks": torch.linspace(-2.0, 3.0, 2 * group_size)}
+    return options
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -437,24 +448,14 @@ def test_cpu_kernel_matches_reference_on_long_bfloat16_prefill_chunks(
     # time in spans of 32, and a group skips the spans and blocks none of its rows sees. A chunk
     # of 200 after 330 cached keys (three full items and a partial one, keys over three blocks;
     # the first groups of the third item see nothing of its last block, and a window leaves early
-    # spans unseen by later rows), a whole prompt of 64 (an item's edge), 16
-    # tokens after 17 (with group 1, the group's last row is the first key of the second span)
-    # and 40 after 130 (with group 1 and the 20-key window, the first key a group's first row sees
-    # is the last of a span). At head_dim 64 AMX keeps a group's accumulators in tiles, at 128 not.
-    num_kv_heads = 2
-    batch = paged_batch(
-        [200, 64, 16, 40],
-        [530, 64, 33, 170],
-        num_heads=num_kv_heads * group_size,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=torch.bfloat16,
-        seed=block_size + head_dim + group_size,
+    # spans unseen by later rows), a whole prompt of 64 (an item's edge), 16 tokens after 17
+    # (with group 1, the group's last row is the first key of the second span) and 40 after 130
+    # (with group 1 and the 20-key window, the first key a group's first row sees is the last of
+    # a span). At head_dim 64 AMX keeps a group's accumulators in tiles, at 128 not.
+    batch = _bfloat16_batch(
+        paged_batch, [200, 64, 16, 40], [530, 64, 33, 170], group_size, head_dim, block_size
     )
-    if options.get("sinks"):
-        options = {"sinks": torch.linspace(-2.0, 3.0, num_kv_heads * group_size)}
-    matches_reference(cpu_backend, batch, **options)
+    matches_reference(cpu_backend, batch, **_resolve(options, group_size))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
