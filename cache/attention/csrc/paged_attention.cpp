@@ -276,6 +276,9 @@ inline const Fp8ToBf16& fp8_to_bf16() {
   static const Fp8ToBf16 converter;
   return converter;
 }
+constexpr bool kFp8AsBf16Build = true;
+#else
+constexpr bool kFp8AsBf16Build = false;
 #endif
 
 inline vfloat load(const float* p) {
@@ -740,6 +743,20 @@ constexpr int kFloatTileMinRows = kLanes;
 // products run on groups of 16 rows, and a decode token's few rows would leave most of them empty.
 constexpr int kTileMinRows = 8;
 
+// Whether this problem's prefill items (of at least kTileMinRows rows per kv head) take the tile
+// products: a bfloat16 cache (or an fp8 one where the build has PAGEDSERVE_FP8_AS_BF16) under
+// bfloat16 queries, blocks of whole 16-key groups, a head size with a compile-time path (64, 128).
+// attend_item routes items by it and make_work_items sizes them by it (kTileQueryTile).
+template <typename cache_t>
+constexpr bool kTileCache =
+    std::is_same_v<cache_t, at::BFloat16> ||
+    (kFp8AsBf16Build && std::is_same_v<cache_t, Fp8E4M3>);
+template <typename cache_t>
+inline bool takes_tile_products(const Problem<cache_t>& p) {
+  return kTileCache<cache_t> && p.bfloat16_io && p.block_size % 16 == 0 &&
+         (p.head_dim == 64 || p.head_dim == 128);
+}
+
 // A prefill item over a bfloat16 cache (or an fp8 one, converted as the tiles are packed, where
 // the build has PAGEDSERVE_FP8_AS_BF16) with bfloat16 queries as tile products
 // (tile_attention.h), one kv head after the other: on AMX where the build has it and Linux grants
@@ -803,14 +820,8 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
   const WorkItem& item = *task.item;
   const int head_begin = task.head_begin, head_end = task.head_end;
 #ifdef PAGEDSERVE_DPBF16
-#ifdef PAGEDSERVE_FP8_AS_BF16
-  constexpr bool kTileCache =
-      std::is_same_v<cache_t, at::BFloat16> || std::is_same_v<cache_t, Fp8E4M3>;
-#else
-  constexpr bool kTileCache = std::is_same_v<cache_t, at::BFloat16>;
-#endif
-  if constexpr (kTileCache && CHUNKS > 0 && CHUNKS * kLanes % 32 == 0) {
-    if (p.bfloat16_io && p.block_size % 16 == 0 &&
+  if constexpr (kTileCache<cache_t> && CHUNKS > 0 && CHUNKS * kLanes % 32 == 0) {
+    if (takes_tile_products(p) &&
         (item.query_end - item.query_begin) * (p.num_heads / p.num_kv_heads) >= kTileMinRows) {
       attend_item_tiles<CHUNKS * kLanes>(p, item, head_begin, head_end);
       return false;
@@ -1241,7 +1252,7 @@ void launch(const at::Tensor& query, const at::Tensor& key_cache,
             const at::Tensor& value_cache, at::Tensor& output,
             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
             const at::Tensor& seq_lens, double scale, int64_t sliding_window, double softcap,
-            const c10::optional<at::Tensor>& sinks, const std::vector<WorkItem>& items) {
+            const c10::optional<at::Tensor>& sinks) {
   const Problem<cache_t> problem{
       query.data_ptr(), query.stride(0), query.stride(1),
       query.scalar_type() == at::kBFloat16,
@@ -1253,6 +1264,14 @@ void launch(const at::Tensor& query, const at::Tensor& key_cache,
       static_cast<int>(query.size(2)), static_cast<float>(scale),
       static_cast<int>(sliding_window), static_cast<float>(softcap),
       sinks.has_value() ? sinks->data_ptr<float>() : nullptr};
+  bool tile_prefill = false;
+#ifdef PAGEDSERVE_DPBF16
+  tile_prefill = takes_tile_products(problem);
+#endif
+  // Block ids themselves are trusted (the block manager owns them); lengths are checked.
+  const auto items = make_work_items(problem.query_start_loc, problem.seq_lens, seq_lens.size(0),
+                                     problem.max_num_blocks_per_req * problem.block_size,
+                                     tile_prefill ? kTileQueryTile : kQueryTile);
   // The common head sizes get compile-time vector counts; any other size takes the generic path.
   switch (problem.head_dim) {
     case 64: return run<cache_t, 64 / kLanes>(problem, items);
@@ -1306,26 +1325,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK(qsl[num_reqs] == query.size(0), "query_start_loc[-1] != num_tokens");
 
   auto output = at::empty({query.size(0), num_heads, head_dim}, query.options());
-  // Whether prefill items take tile_attention.h (attend_item decides the same per item).
-  bool tiles = false;
-#ifdef PAGEDSERVE_DPBF16
-  const auto cache_type = key_cache.scalar_type();
-#ifdef PAGEDSERVE_FP8_AS_BF16
-  const bool tile_cache = cache_type == at::kBFloat16 || cache_type == at::kFloat8_e4m3fn;
-#else
-  const bool tile_cache = cache_type == at::kBFloat16;
-#endif
-  tiles = tile_cache && query.scalar_type() == at::kBFloat16 && key_cache.size(1) % 16 == 0 &&
-          (head_dim == 64 || head_dim == 128);
-#endif
-  // Block ids themselves are trusted (the block manager owns them); lengths are checked.
-  const auto items = make_work_items(qsl, seq_lens.data_ptr<int32_t>(), num_reqs,
-                                     block_tables.size(1) * key_cache.size(1),
-                                     tiles ? kTileQueryTile : kQueryTile);
   auto run_for = [&](auto cache_type_tag) {
     using cache_t = decltype(cache_type_tag);
     launch<cache_t>(query, key_cache, value_cache, output, block_tables, query_start_loc,
-                    seq_lens, scale, sliding_window, softcap, sinks, items);
+                    seq_lens, scale, sliding_window, softcap, sinks);
   };
   switch (key_cache.scalar_type()) {
     case at::kFloat: run_for(float{}); break;
