@@ -58,14 +58,30 @@ def test_silu_mul_matches_the_modules_intermediate_to_its_tolerance(isa, rows, d
         assert_close_to_the_module(kernel.silu_mul(torch.cat([gate, up], dim=-1)), expected)
 
 
-def test_silu_mul_is_atens_silu_for_every_bfloat16_gate():
+@pytest.mark.parametrize("isa", host_runnable_isas())
+def test_silu_mul_is_atens_silu_for_every_bfloat16_gate(isa):
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     gate = bits.view(torch.bfloat16)
     gate = gate[~gate.float().isnan()]
     gate_up = torch.stack([gate, torch.ones_like(gate)], dim=1)  # rows of [g; 1]
-    got = load_cpu_kernel().silu_mul(gate_up).reshape(-1)
+    got = load_cpu_kernel(isa).silu_mul(gate_up).reshape(-1)
     # Exactly, with NaN where ATen has one (silu(-inf) = -inf / inf).
     torch.testing.assert_close(got, nn.functional.silu(gate), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("isa", host_runnable_isas())
+def test_bfloat16_silu_mul_is_the_modules_bit_for_bit_for_every_gate(isa):
+    # Every bfloat16 bit pattern as a gate (NaNs too), each with an up of its own, in rows as wide
+    # as the default model's MLP (the vector loop, a gather per vector of gates): the module's
+    # SiLU rounded to bfloat16, times up, rounded again; NaN where it has NaN (of any payload).
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = (4 * torch.randn(gate.numel(), generator=torch.Generator().manual_seed(0))).bfloat16()
+    gate_up = torch.cat([gate.view(-1, 1024), up.view(-1, 1024)], dim=1)
+    got = load_cpu_kernel(isa).silu_mul(gate_up)
+    expected = nn.functional.silu(gate.view(-1, 1024)) * up.view(-1, 1024)
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), expected[~nan].view(torch.int16))
 
 
 def test_silu_mul_keeps_leading_dimensions_and_reads_views():
