@@ -10,10 +10,11 @@
 // Cody-Waite reduction with a degree-7 polynomial (relative error ~1e-7, its roundings), written
 // as branch-free scalar code the compiler vectorises. After the rounding to bfloat16 it agrees
 // with ATen's SiLU for every one of the 65,282 non-NaN bfloat16 gates (tests/engine/
-// test_fused_mlp.py checks them all), so the bfloat16 op is bit-identical to the module's (and
-// looks the value up in a table of them: bfloat16_silu_table). In float32, ATen's exp (SLEEF's) and this one can differ in the last bit, so SiLU can too: both
-// are within 1.5 ulps of the exact value, within 4 of each other (the tests check gates 0.001
-// apart from -100 to 100 on every ISA build).
+// test_fused_mlp.py checks them all), so the bfloat16 op is bit-identical to the module's (it
+// looks each gate's value up in a table of them: bfloat16_silu_table). In float32, ATen's exp
+// (SLEEF's) and this one can differ in the last bit, so SiLU can too: both are within 1.5 ulps of
+// the exact value, within 4 of each other (the tests check gates 0.001 apart from -100 to 100 on
+// every ISA build).
 #include "aten_ops.h"
 
 #include <cstdint>
@@ -69,11 +70,12 @@ inline float silu(float g) {
 }
 
 // A bfloat16 gate has 65,536 possible values, so its SiLU, rounded to bfloat16, is looked up rather
-// than computed: the table holds this file's own silu() of every one (built once, 256 KiB as
-// float32, which a vector gather reads), so the op's bits are unchanged, NaNs included. The
-// polynomial and its division cost ~50 cycles a vector; a gather and a multiply ~20: the default
-// model's SiLU-and-multiply took 51.7 -> 29.1 us at 64 rows and 1.69 -> 1.09 ms at 2,048
-// (2-core Sapphire Rapids, native build, interleaved calls).
+// than computed: the table holds this file's own silu() of every one (built once, 256 KiB of
+// float32), so the op's bits are unchanged, NaNs included. In the vector loop GCC 12 reads the
+// table with one scalar load per lane (no hardware gather in the native, AVX-512 or AVX2 build,
+// nor when tuned for AMD's cores, whose gathers are slow), which still beats the polynomial and
+// its division: the default model's SiLU-and-multiply took 51.7 -> 29.1 us at 64 rows and 1.69 ->
+// 1.09 ms at 2,048 (2-core Sapphire Rapids, native build, interleaved calls).
 const float* bfloat16_silu_table() {
   static const std::vector<float> table = [] {
     std::vector<float> values(1 << 16);
