@@ -142,6 +142,23 @@ def test_silu_mul_calls_no_scalar_math_function(isa):
     assert not scalar_math & set(undefined), sorted(scalar_math & set(undefined))
 
 
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump")
+@pytest.mark.parametrize("isa", host_runnable_isas())
+def test_float32_silu_mul_divides_whole_vectors(isa):
+    # SiLU's one division per gate in 256- or 512-bit registers: GCC 12 once left the float32 loop
+    # scalar on AVX2 builds (a vdivss per gate, ~5x slower), as it would any loop whose selects
+    # jump threading turns into branches that may trap (silu_mul.cpp).
+    kernel_file = Path(load_cpu_kernel(isa).__file__)
+    listing = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", str(kernel_file.parent / "silu_mul.o")],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    divisions = [line for line in listing.splitlines() if "vdivps" in line]
+    assert any("%ymm" in line or "%zmm" in line for line in divisions), divisions
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_fused_mlp_computes_the_modules_output(bias, dtype):
