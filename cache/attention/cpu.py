@@ -57,6 +57,7 @@ _HEADERS = tuple(
         "aten_ops.h",
         "bfloat16_bits.h",
         "float_tiles.h",
+        "float_vectors.h",
         "row_formats.h",
         "tile_attention.h",
         "transpose.h",

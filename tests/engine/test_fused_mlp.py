@@ -126,18 +126,21 @@ def test_float32_silu_of_special_gates_is_atens(isa):
     assert torch.equal(got.signbit(), expected.signbit())
 
 
+def silu_mul_object(isa: str, *command: str) -> str:
+    """The output of a binutils `command` run on the ISA build's silu_mul.o."""
+    kernel_file = Path(load_cpu_kernel(isa).__file__)
+    object_file = str(kernel_file.parent / "silu_mul.o")
+    return subprocess.run(
+        [*command, object_file], check=True, capture_output=True, text=True
+    ).stdout
+
+
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
 @pytest.mark.parametrize("isa", host_runnable_isas())
 def test_silu_mul_calls_no_scalar_math_function(isa):
     # A libm call in the per-element loop (std::fmin, std::exp, ...) keeps GCC from vectorising
     # it: a NaN-safe std::fmin/fmax clamp once made the op ten times slower with the same bits.
-    kernel_file = Path(load_cpu_kernel(isa).__file__)
-    undefined = subprocess.run(
-        ["nm", "--undefined-only", "--format=just-symbols", str(kernel_file.parent / "silu_mul.o")],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.split()
+    undefined = silu_mul_object(isa, "nm", "--undefined-only", "--format=just-symbols").split()
     scalar_math = {"expf", "exp", "fminf", "fmaxf", "fmin", "fmax", "exp2f", "ldexpf"}
     assert not scalar_math & set(undefined), sorted(scalar_math & set(undefined))
 
@@ -148,13 +151,7 @@ def test_float32_silu_mul_divides_whole_vectors(isa):
     # SiLU's one division per gate in 256- or 512-bit registers: GCC 12 once left the float32 loop
     # scalar on AVX2 builds (a vdivss per gate, ~5x slower), as it would any loop whose selects
     # jump threading turns into branches that may trap (silu_mul.cpp).
-    kernel_file = Path(load_cpu_kernel(isa).__file__)
-    listing = subprocess.run(
-        ["objdump", "-d", "--no-show-raw-insn", str(kernel_file.parent / "silu_mul.o")],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    listing = silu_mul_object(isa, "objdump", "-d", "--no-show-raw-insn")
     divisions = [line for line in listing.splitlines() if "vdivps" in line]
     assert any("%ymm" in line or "%zmm" in line for line in divisions), divisions
 

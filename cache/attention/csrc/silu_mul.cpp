@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "float_vectors.h"
 #include "row_formats.h"
 
 namespace {
@@ -32,13 +33,37 @@ using pagedserve::rounded;
 
 constexpr float kExpLimit = 88.72283f;  // ln(FLT_MAX)
 
+// The float32 loop (silu_mul_rows) runs on explicit vectors of kLanes floats, one AVX-512 or AVX2
+// register (float_vectors.h; GCC's vector extensions: each select below is a blend). GCC 12 left
+// the loop scalar on AVX2 builds (-march=x86-64-v3, and native builds on AVX2-only CPUs such as
+// -march=znver2/3) when it was written over scalar silu(): jump threading copied the division into
+// the branches of the range selects, where it may trap, and under -ftrapping-math such branches are
+// not turned into vector selects (AVX-512 builds mask them instead). On vectors there are no
+// branches: every lane computes the division, whose operands are normal for every gate but those
+// beyond the clamps (selected away). The functions below are templates over float (the bfloat16
+// table's lanes) and vfloat, so both take the same operations in the same order: the same bits as
+// the scalar loop's builds (checked on 300,000 gates, specials included). The default model's MLP
+// in the AVX2 build on Sapphire Rapids: 207 -> 43 us at 64 rows, 1,521 -> 375 us at 512 (the
+// AVX-512 builds, unchanged: 29-32 and 288-301).
+using pagedserve::kLanes;  // float_vectors.h
+using pagedserve::vfloat;
+using pagedserve::vint;
+
+// What exp_in_range needs beyond arithmetic, for one float or a vector of them: truncation to
+// integers, and 2^e for -126 <= e <= 127 from its exponent bits.
+inline int32_t truncated(float v) { return static_cast<int32_t>(v); }
+inline vint truncated(vfloat v) { return __builtin_convertvector(v, vint); }
+inline float power_of_two(int32_t e) { return bits_to_float(static_cast<uint32_t>(e + 127) << 23); }
+inline vfloat power_of_two(vint e) { return reinterpret_cast<vfloat>((e + 127) << 23); }
+
 // e^x for |x| <= kExpLimit (silu clamps x there): a Cody-Waite reduction x = n ln2 + r and a
 // degree-7 polynomial for e^r (Taylor's: its truncation error, 5e-9 at |r| = ln2 / 2, is under a
 // tenth of an ulp), scaled by 2^n as two normal factors 2^(n/2) * 2^(n - n/2) (|n| <= 128).
-inline float exp_in_range(float x) {
-  const float n = (x * 1.44269504088896341f + 0x1.8p23f) - 0x1.8p23f;  // round(x * log2(e))
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  float p = 1.0f / 5040.0f;
+template <typename V>
+inline V exp_in_range(V x) {
+  const V n = (x * 1.44269504088896341f + 0x1.8p23f) - 0x1.8p23f;  // round(x * log2(e))
+  const V r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  V p = V{} + 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
@@ -46,11 +71,9 @@ inline float exp_in_range(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const int32_t half = static_cast<int32_t>(n) / 2;
-  const float first = bits_to_float(static_cast<uint32_t>(half + 127) << 23);
-  const int32_t rest = static_cast<int32_t>(n) - half;
-  const float second = bits_to_float(static_cast<uint32_t>(rest + 127) << 23);
-  return (p * first) * second;
+  const auto whole = truncated(n);
+  const auto half = whole / 2;
+  return (p * power_of_two(half)) * power_of_two(whole - half);
 }
 
 // ATen's formula, g / (1 + e^-g), with one division. Where e^-g leaves float's range ATen's exp
@@ -61,59 +84,14 @@ inline float exp_in_range(float x) {
 // 1.2x (bfloat16) the time per call at 64 and 2,048 rows of the default model's MLP (2-core Zen
 // 4, native build, 40 shuffled rounds). At 2,048 rows the op moves ~42 GB/s: memory-bound
 // now. A NaN gate fails both compares and gives NaN from the division.
-inline float silu(float g) {
-  // Clamped by compare-and-select, which vectorises (min/max instructions); std::fmin/fmax do not
-  // (their NaN rule), and made this op ten times slower. A NaN becomes kExpLimit, so n stays
-  // defined.
-  float x = -g < kExpLimit ? -g : kExpLimit;
+template <typename V>
+inline V silu(V g) {
+  // Clamped by compare-and-select (min/max instructions, or blends); std::fmin/fmax do not
+  // vectorise (their NaN rule), and made this op ten times slower. A NaN becomes kExpLimit, so n
+  // stays defined.
+  V x = -g < kExpLimit ? -g : kExpLimit;
   x = x > -kExpLimit ? x : -kExpLimit;
-  const float in_range = g / (1.0f + exp_in_range(x));
-  return g > kExpLimit ? g : (g < -kExpLimit ? g * 0.0f : in_range);
-}
-
-// The same SiLU on a vector of float32 gates, written with explicit vectors (GCC's vector
-// extensions: each select is a blend). GCC 12 left the scalar version's loop scalar on AVX2
-// builds (-march=x86-64-v3, and native builds on AVX2-only CPUs such as -march=znver2/3): jump
-// threading copied the division into the branches of the range selects, where it may trap, and
-// under -ftrapping-math such branches are not turned into vector selects (AVX-512 builds mask them
-// instead). Here there are no branches: every lane computes the division, whose operands are
-// normal for every gate but those beyond the clamps (selected away). The same operations in the
-// same order as silu(), so the same bits (checked against the scalar loop's builds on 300,000
-// gates, specials included). The default model's MLP in the AVX2 build on Sapphire Rapids: 207 ->
-// 43 us at 64 rows, 1,521 -> 375 us at 512 (the AVX-512 builds, unchanged: 29-32 and 288-301).
-#if defined(__AVX512F__) || !defined(__AVX2__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-inline vfloat splat(float value) { return vfloat{} + value; }
-
-inline vfloat exp_in_range(vfloat x) {
-  const vfloat n = (x * 1.44269504088896341f + 0x1.8p23f) - 0x1.8p23f;
-  const vfloat r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  vfloat p = splat(1.0f / 5040.0f);
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const vint whole = __builtin_convertvector(n, vint);
-  const vint half = whole / 2;
-  const vint rest = whole - half;
-  const vfloat first = reinterpret_cast<vfloat>((half + 127) << 23);
-  const vfloat second = reinterpret_cast<vfloat>((rest + 127) << 23);
-  return (p * first) * second;
-}
-
-inline vfloat silu(vfloat g) {
-  vfloat x = -g < kExpLimit ? -g : kExpLimit;
-  x = x > -kExpLimit ? x : -kExpLimit;
-  const vfloat in_range = g / (1.0f + exp_in_range(x));
+  const V in_range = g / (1.0f + exp_in_range(x));
   return g > kExpLimit ? g : (g < -kExpLimit ? g * 0.0f : in_range);
 }
 

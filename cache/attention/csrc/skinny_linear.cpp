@@ -21,14 +21,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "float_vectors.h"
+
 namespace {
 
-#if defined(__AVX512F__) || !defined(__AVX2__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+using pagedserve::kLanes;
+using pagedserve::vfloat;
 
 constexpr int kRowTile = 8;     // rows of x per pass over a weight pair
 constexpr int kWeightTile = 2;  // weight rows per pass: kRowTile x kWeightTile accumulators
