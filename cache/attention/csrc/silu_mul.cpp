@@ -8,8 +8,8 @@
 //   out = narrow(float(act) * float(up))  as ATen's multiply
 // (narrow: to bfloat16 for a bfloat16 model, nothing for a float32 one; row_formats.h). exp is a
 // Cody-Waite reduction with a degree-7 polynomial (relative error ~1e-7, its roundings), written
-// once as scalar code and once with explicit vectors for float32 rows (the same operations: GCC
-// left the scalar loop scalar on AVX2 builds). After the rounding to bfloat16 it agrees
+// once, over a float or a vector of floats (float32 rows run the vectors: GCC left a loop of the
+// scalar version scalar on AVX2 builds). After the rounding to bfloat16 it agrees
 // with ATen's SiLU for every one of the 65,282 non-NaN bfloat16 gates (tests/engine/
 // test_fused_mlp.py checks them all), so the bfloat16 op is bit-identical to the module's (it
 // looks each gate's value up in a table of them: bfloat16_silu_table). In float32, ATen's exp
