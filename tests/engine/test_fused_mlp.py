@@ -72,7 +72,7 @@ def test_silu_mul_is_atens_silu_for_every_bfloat16_gate(isa):
 @pytest.mark.parametrize("isa", host_runnable_isas())
 def test_bfloat16_silu_mul_is_the_modules_bit_for_bit_for_every_gate(isa):
     # Every bfloat16 bit pattern as a gate (NaNs too), each with an up of its own, in rows as wide
-    # as the default model's MLP (the vector loop, a gather per vector of gates): the module's
+    # as the default model's MLP (the vector loop, a table lookup per gate): the module's
     # SiLU rounded to bfloat16, times up, rounded again; NaN where it has NaN (of any payload).
     gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     up = (4 * torch.randn(gate.numel(), generator=torch.Generator().manual_seed(0))).bfloat16()

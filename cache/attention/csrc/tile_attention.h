@@ -159,9 +159,9 @@ inline void pack_span(const HeadTask& task, int key_base,
 // with n an integer and |f| <= 1/2; 2^f by a degree-5 polynomial (a relative minimax fit: error
 // ~2e-7 in float32, rounding level), times 2^n by vscalefps. Lanes below -125 (near float32's
 // subnormals, which cost microcode assists, and as good as 0 after normalising), -inf and NaN
-// included, give exactly 0. 10 instructions where exp_nonpositive's portable version takes ~17: the softmax is bound by
-// the vector units' throughput, and this took a 1,024-token bfloat16 chunk from 1.93 to 1.75 ms
-// on AMX (2-core Sapphire Rapids, interleaved rounds).
+// included, give exactly 0. 10 instructions where exp_nonpositive's portable version takes ~17:
+// the softmax is bound by the vector units' throughput, and this took a 1,024-token bfloat16
+// chunk from 1.93 to 1.75 ms on AMX (2-core Sapphire Rapids, interleaved rounds).
 inline __m512 exp2_lanes(__m512 t) {
   const __mmask16 in_range = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
