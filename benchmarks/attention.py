@@ -3,8 +3,11 @@
 All run in the same process on the same data, interleaved round by round so machine noise hits
 them alike. SDPA gets pre-made contiguous K/V (the lower bound a paged kernel chases; on CUDA it is
 torch's FlashAttention kernel); the kernel and the reference read a cache with shuffled block
-tables, as a long-running server would. Two roofline rows come with them: a pass that only reads
-the K/V bytes, and the kernel with K/V resident in L2.
+tables, as a long-running server would. Roofline rows come with them: a pass that only reads
+the K/V bytes (`read_kv_once`: the cache as one contiguous stream, the issue's memory roofline),
+on the CPU a pass that only reads them through the block tables (`read_kv_paged`,
+benchmarks/paged_read.py: the scattered blocks a paged kernel must read, so the gap between the
+two read passes is what the paged layout costs the host), and the kernel with K/V resident in L2.
 
     python -m pagedserve.benchmarks.attention [--batch 64] [--context 1024] [--dtype float32 bfloat16]
         [--kv-cache-dtype auto bfloat16 fp8_e4m3] [--device cpu|cuda] [--backend auto|cpu|triton]
@@ -43,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagedserve.benchmarks.paged_read import read_paged_kv
 from pagedserve.benchmarks.prefill_attention import bench_prefill, print_prefill
 from pagedserve.benchmarks.workload import last_level_cache_bytes, time_interleaved
 from pagedserve.cache import huge_pages
@@ -223,6 +227,13 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str, kv_dtype_name: str) -
         f"{name}_kv_in_l2": lambda: kernel.forward(query, key_cache, value_cache, l2_meta, scale),
         "read_kv_once": read_once,
     }
+    if device.type == "cpu":
+
+        def read_paged() -> int:
+            keys, values = next(rotation)
+            return read_paged_kv(keys, values, meta.block_tables, meta.seq_lens)
+
+        roofline["read_kv_paged"] = read_paged
     for impl, isa_kernel in isa_kernels(args).items():
         roofline[impl] = lambda k=isa_kernel: k.forward(query, *next(rotation), meta, scale)
         roofline[f"{impl}_kv_in_l2"] = lambda k=isa_kernel: k.forward(
@@ -279,6 +290,10 @@ def add_roofline(rows: list[dict], kernel_name: str) -> None:
     kernel["times_read_roofline"] = kernel["median_ms"] / read_once["median_ms"]
     # The kernel's time with K/V in L2: what it costs when memory is not the limit.
     kernel["compute_bound_ms"] = in_l2["median_ms"]
+    paged = next((row for row in rows if row["impl"] == "read_kv_paged"), None)
+    if paged is not None:  # the same bytes read through the block tables (CPU)
+        kernel["paged_read_gb_per_s"] = paged["kv_bytes"] / paged["median_ms"] / 1e6
+        kernel["times_paged_read"] = kernel["median_ms"] / paged["median_ms"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -316,6 +331,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"({row['stream_read_gb_per_s']:.1f} GB/s); with K/V in L2 it takes "
                 f"{row['compute_bound_ms']:.2f} ms"
             )
+            if "times_paged_read" in row:
+                print(
+                    f"    {row['times_paged_read']:.2f}x the time of a read through the block "
+                    f"tables ({row['paged_read_gb_per_s']:.1f} GB/s)"
+                )
     prefill = _prefill_rows(args)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     config = {key: value for key, value in vars(args).items() if key != "output"}

@@ -235,7 +235,14 @@ def test_attention_benchmark_times_kernel_reference_and_sdpa_per_cache_dtype(tmp
     assert [(row["impl"], row["kv_cache_dtype"]) for row in rows] == [
         (impl, kv)
         for kv in ("float32", "fp8_e4m3")
-        for impl in ("cpu", "torch_ref", "sdpa_contiguous", "cpu_kv_in_l2", "read_kv_once")
+        for impl in (
+            "cpu",
+            "torch_ref",
+            "sdpa_contiguous",
+            "cpu_kv_in_l2",
+            "read_kv_once",
+            "read_kv_paged",
+        )
     ]
     assert all(row["kernel_max_abs_error_vs_ref"] < 1e-5 for row in rows)
     kernel_fp32, kernel_fp8 = (row for row in rows if row["impl"] == "cpu")
@@ -243,6 +250,7 @@ def test_attention_benchmark_times_kernel_reference_and_sdpa_per_cache_dtype(tmp
     assert kernel_fp32["kv_bytes"] == 2 * 3 * 16 * 3 * 64 * 2 * 4
     assert kernel_fp8["kv_bytes"] == kernel_fp32["kv_bytes"] // 4
     assert kernel_fp32["fraction_of_read_roofline"] > 0 and kernel_fp32["compute_bound_ms"] > 0
+    assert kernel_fp32["times_paged_read"] > 0 and kernel_fp32["paged_read_gb_per_s"] > 0
     assert 1 <= kernel_fp32["cache_copies"] <= attention.MAX_CACHE_COPIES
     assert json.loads(output.read_text())["results"] == rows
 
@@ -289,6 +297,7 @@ def test_attention_benchmark_times_the_triton_kernel_too(tmp_path):
         "sdpa_contiguous",
         "triton_kv_in_l2",
         "read_kv_once",
+        "read_kv_paged",  # the CPU's read through the block tables: the interpreter's caches
     ]
     assert rows[0]["kernel_max_abs_error_vs_ref"] < 1e-5 and rows[0]["device"] == "cpu"
     assert rows[0]["fraction_of_read_roofline"] > 0

@@ -38,6 +38,7 @@ def test_wheel_has_one_top_level_package(wheel):
 
     for source in (*_SOURCES, *_HEADERS):  # everything the kernel build reads
         assert f"pagedserve/cache/attention/csrc/{source.name}" in names
+    assert "pagedserve/benchmarks/csrc/paged_read.cpp" in names  # the attention benchmark's
     assert any(name.startswith("pagedserve/configs/presets/") for name in names)
     for name in (
         "dashboard.html",
