@@ -579,15 +579,22 @@ inline void score_row_widened(const float* q, const uint16_t* const* keys, int64
 // probs[r * row_step + t * key_step]: rows kKeyTile apart by default, or key-major (float_tiles.h).
 // Only the CHUNKS vectors from `column` (an element offset into each accumulator, and into each
 // value row past `offset`, where this kv head starts in the row).
-template <int CHUNKS, int ROWS, typename value_t>
+// `before_group(work)` runs before each kLanes keys, with the work they hold (ROWS x CHUNKS: rows
+// times vectors of a value row), for attend_item's prefetch shares.
+struct NoHook {
+  void operator()(int) const {}
+};
+template <int CHUNKS, int ROWS, typename value_t, typename Hook = NoHook>
 inline void accumulate_rows(const float* probs, const value_t* const* values, int64_t offset,
                             int column, int num_keys, float* acc, int stride,
-                            int row_step = kKeyTile, int key_step = 1) {
+                            int row_step = kKeyTile, int key_step = 1,
+                            Hook&& before_group = Hook()) {
   acc += column;
   vfloat sum[ROWS][CHUNKS];
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < CHUNKS; ++c) sum[r][c] = load(acc + r * stride + c * kLanes);
   for (int t = 0; t < num_keys; ++t) {
+    if (t % kLanes == 0) before_group(ROWS * CHUNKS);
     vfloat value[CHUNKS];
     if constexpr (std::is_same_v<value_t, uint16_t>) {  // in pair order
       static_assert(CHUNKS % 2 == 0, "bfloat16 rows are widened two vectors at a time");
@@ -629,17 +636,18 @@ constexpr int slice_chunks() {
 
 // The value pass of one tile for every row of a work item, rows_per_pass rows at a time, one
 // slice of columns after the other.
-// `offset`: where this kv head starts in each value row.
-template <int CHUNKS, typename value_t>
+// `offset`: where this kv head starts in each value row; `before_group`: accumulate_rows'.
+template <int CHUNKS, typename value_t, typename Hook>
 inline void accumulate_tile(const float* probs, const value_t* const* values, int64_t offset,
-                            int num_keys, float* acc, int stride, int num_rows) {
+                            int num_keys, float* acc, int stride, int num_rows,
+                            Hook&& before_group) {
   constexpr int kSlice = slice_chunks<CHUNKS, value_t>();
   constexpr int kRows = rows_per_pass(kSlice);
   for (int column = 0; column < CHUNKS * kLanes; column += kSlice * kLanes) {
     int m = 0;
     for (; m + kRows <= num_rows; m += kRows) {
       accumulate_rows<kSlice, kRows>(probs + m * kKeyTile, values, offset, column, num_keys,
-                                     acc + m * stride, stride);
+                                     acc + m * stride, stride, kKeyTile, 1, before_group);
     }
     // The remaining rows (fewer than kRows) in one pass too: a decode item has group_size rows.
     const float* rest_probs = probs + m * kKeyTile;
@@ -648,15 +656,16 @@ inline void accumulate_tile(const float* probs, const value_t* const* values, in
       case 3:
         if constexpr (kRows > 3)
           accumulate_rows<kSlice, 3>(rest_probs, values, offset, column, num_keys, rest_acc,
-                                     stride);
+                                     stride, kKeyTile, 1, before_group);
         break;
       case 2:
         if constexpr (kRows > 2)
           accumulate_rows<kSlice, 2>(rest_probs, values, offset, column, num_keys, rest_acc,
-                                     stride);
+                                     stride, kKeyTile, 1, before_group);
         break;
       case 1:
-        accumulate_rows<kSlice, 1>(rest_probs, values, offset, column, num_keys, rest_acc, stride);
+        accumulate_rows<kSlice, 1>(rest_probs, values, offset, column, num_keys, rest_acc, stride,
+                                   kKeyTile, 1, before_group);
         break;
     }
   }
@@ -1069,21 +1078,37 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
         }
       }
     }
-    // Shares of the next tile's prefetch: kLanes keys' worth of scoring each (score_row's hook),
-    // requested every groups_per_request shares. float32 tiles by head are requested every 16
-    // keys: with AVX2's 8 lanes, every 8 keys ran a float32 64 x 1,024 decode step 4-6% slower
-    // (1.22-1.23x against 1.26-1.31x its read; 1.5% at 384 keys), while bfloat16 ran 5% faster
-    // every 8 (2-core Zen 4, interleaved rounds). AVX-512's 16 lanes are 16 keys either way.
+    // The next tile is requested in shares, each the part of it that matches the part of this
+    // tile's work done so far: the unit is one row's kLanes keys of one vector of a head (C
+    // units a group of keys in score_row, as many per row of accumulate_tile's value pass), so
+    // a share goes out before each group of kLanes keys of either product, and a row's scores
+    // (or a head's value pass) start where the work before them ends. float32 tiles by head are
+    // requested every 16 keys: with AVX2's 8 lanes, every 8 keys ran a float32 64 x 1,024
+    // decode step 4-6% slower (1.22-1.23x against 1.26-1.31x its read; 1.5% at 384 keys), while
+    // bfloat16 ran 5% faster every 8 (2-core Zen 4, interleaved rounds). AVX-512's 16 lanes are
+    // 16 keys either way. Shares during the value pass too, not only the scores, took a 64 x
+    // 1,024 decode step from 1.48x to 1.42x the time of a contiguous read of its K/V (bfloat16,
+    // native build), 1.65x to 1.50x (bfloat16, AVX2 build) and 1.40x to 1.37x (float32, AVX2;
+    // Sapphire Rapids, interleaved rounds): with half of the tile's work issuing no requests,
+    // the requests went out in bursts that the value pass then waited on.
     const int groups_per_request = by_head ? std::max(1, 16 / kLanes) : 1;
-    const int groups = std::max(1, tile_keys / kLanes), shares = num_rows * groups;
+    const int groups = std::max(1, tile_keys / kLanes);
+    constexpr int C = CHUNKS > 0 ? CHUNKS : 1;  // units per group of keys (a vector each)
+    constexpr int kProducts = CHUNKS > 0 ? 2 : 1;  // accumulate_values (any head size) has no hook
+    const int row_work = groups * C;             // one row's scores of the tile (or its values)
+    const int shares = num_rows * row_work * kProducts;
+    const int head_work = head_rows * row_work * kProducts;
+    const int head_start = (head - head_begin) * head_work;
+    int groups_seen = 0;  // by groups_per_request
+    auto request = [&](int share) {
+      if ((++groups_seen & (groups_per_request - 1)) == 0) {  // 1 or 2: a mask, not a division
+        prefetch_share(tile_rows[tile ^ 1], next_keys, std::min(share, shares), shares);
+      }
+    };
     for (int m = row0; m < row0 + head_rows; ++m) {
-      int share = m * groups;
+      int share = head_start + (m - row0) * row_work;
       prefetch_share(tile_rows[tile ^ 1], next_keys, share, shares);  // what earlier rows left
-      auto before_group = [&] {
-        if ((++share & (groups_per_request - 1)) == 0) {  // 1 or 2: a mask, not a division
-          prefetch_share(tile_rows[tile ^ 1], next_keys, share, shares);
-        }
-      };
+      auto before_group = [&] { request(share += C); };
       float* scores = probs.data() + static_cast<size_t>(m) * kKeyTile;
       // Causal: the row at position first_position + token sees keys up to that position.
       const int row_position = first_position + item.query_begin + (m - row0) / group_size;
@@ -1118,16 +1143,19 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
                      row_max[m], row_sum[m]);
     }
     // Keys a row does not see have probability 0 there: one value pass over the tile serves all
-    // of this kv head's rows.
+    // of this kv head's rows. Its shares follow the scores' (head_work's second half).
+    int value_share = head_start + head_rows * row_work;
+    prefetch_share(tile_rows[tile ^ 1], next_keys, value_share, shares);
+    auto value_group = [&](int work) { request(value_share += work); };
     const float* head_probs = probs.data() + static_cast<size_t>(row0) * kKeyTile;
     float* head_acc = acc.data() + static_cast<size_t>(row0) * stride;
     if constexpr (CHUNKS > 0) {
       if (bf16_values) {
         accumulate_tile<CHUNKS>(head_probs, bf16_value_rows, value_offset, tile_keys, head_acc,
-                                stride, head_rows);
+                                stride, head_rows, value_group);
       } else {
         accumulate_tile<CHUNKS>(head_probs, value_rows, value_offset, tile_keys, head_acc, stride,
-                                head_rows);
+                                head_rows, value_group);
       }
     } else {
       for (int m = 0; m < head_rows; ++m) {
