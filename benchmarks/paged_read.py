@@ -16,7 +16,8 @@ from types import ModuleType
 
 import torch
 
-from pagedserve.cache.attention.cpu import ISA_FLAGS, kernel_cache_dir
+from pagedserve.cache.attention.cpu import ISA_FLAGS, build_extension, kernel_cache_dir
+from pagedserve.cache.attention.cpu_features import host_cpu_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_read.cpp"
 CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi", *ISA_FLAGS["native"])
@@ -25,24 +26,20 @@ CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi", *ISA_FLAGS["native"])
 @functools.cache
 def load_paged_read() -> ModuleType:
     """Build (first time, ~30 s) and import the read pass; cached for the process."""
-    from torch.utils import cpp_extension
-
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), str(CFLAGS).encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        torch.__version__.encode(),
+        str(Path(torch.__file__).parent).encode(),  # the include paths build.ninja holds
+        str(CFLAGS).encode(),
+    ):
         digest.update(part)
     # -march=native builds for this CPU only: the host's flags are part of the key.
-    digest.update(Path("/proc/cpuinfo").read_bytes() if Path("/proc/cpuinfo").exists() else b"")
+    digest.update(" ".join(sorted(host_cpu_flags())).encode())
     key = digest.hexdigest()[:12]
+    name = f"pagedserve_paged_read_{key}"
     build_dir = kernel_cache_dir() / f"paged_read_{key}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name=f"pagedserve_paged_read_{key}",
-        sources=[str(SOURCE)],
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        verbose=False,
-    )
+    return build_extension(name, (SOURCE,), list(CFLAGS), build_dir, "the paged read pass")
 
 
 def read_paged_kv(

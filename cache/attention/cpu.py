@@ -179,17 +179,32 @@ def load_cpu_kernel(isa: str | None = None) -> ModuleType:
 
 @functools.cache
 def _load_cpu_kernel(isa: str) -> ModuleType:
-    from torch.utils import cpp_extension
-
     _check_isa(isa)
     cflags = [*_CFLAGS, *ISA_FLAGS[isa]]
     key = _build_key(isa, cflags)
     build_dir = kernel_cache_dir() / f"paged_attention_{isa}_{key}"
-    flock = _open_build_lock(build_dir)
     if not (build_dir / f"pagedserve_paged_attention_{key}.so").exists():
         logger.info(
             "building the CPU attention kernel in %s (first use, under a minute)", build_dir
         )
+    return build_extension(
+        f"pagedserve_paged_attention_{key}", _SOURCES, cflags, build_dir, "the CPU attention kernel"
+    )
+
+
+def build_extension(
+    name: str, sources: tuple[Path, ...], cflags: list[str], build_dir: Path, what: str
+) -> ModuleType:
+    """Build (unless `build_dir` holds it) and import the C++ extension `name` from `sources`,
+    one builder at a time per directory; `what` names it in the error.
+
+    Raises:
+        RuntimeError: the directory is not writable, or the compiler or torch's build tooling
+            failed (with the build log).
+    """
+    from torch.utils import cpp_extension
+
+    flock = _open_build_lock(build_dir)
     # torch's own build lock is a plain file that a killed builder leaves behind, after which every
     # later start waits forever. An flock dies with its holder: whoever holds it is the only
     # builder alive, so a torch lock file found then is stale and is removed.
@@ -198,17 +213,15 @@ def _load_cpu_kernel(isa: str) -> ModuleType:
         (build_dir / "lock").unlink(missing_ok=True)
         try:
             return cpp_extension.load(
-                name=f"pagedserve_paged_attention_{key}",
-                sources=[str(source) for source in _SOURCES],
+                name=name,
+                sources=[str(source) for source in sources],
                 extra_cflags=cflags,
                 extra_ldflags=list(_LDFLAGS),
                 build_directory=str(build_dir),
                 verbose=False,
             )
         except Exception as error:  # compiler errors surface as several exception types
-            raise RuntimeError(
-                f"building the CPU attention kernel in {build_dir} failed: {error}"
-            ) from error
+            raise RuntimeError(f"building {what} in {build_dir} failed: {error}") from error
 
 
 class CpuPagedAttention:
