@@ -16,7 +16,8 @@ from types import ModuleType
 
 import torch
 
-from pagedserve.cache.attention.cpu import ISA_FLAGS, build_extension, kernel_cache_dir
+from pagedserve.cache.attention.build import build_extension
+from pagedserve.cache.attention.cpu import ISA_FLAGS, kernel_cache_dir
 from pagedserve.cache.attention.cpu_features import host_cpu_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_read.cpp"

@@ -15,7 +15,6 @@ one of them changes; an flock makes concurrent first uses wait for one build.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import logging
@@ -23,11 +22,11 @@ import os
 import platform
 from pathlib import Path
 from types import ModuleType
-from typing import IO
 
 import torch
 from torch import Tensor
 
+from pagedserve.cache.attention.build import build_extension
 from pagedserve.cache.attention.cpu_features import host_cpu_flags
 from pagedserve.cache.attention.metadata import AttentionMetadata
 from pagedserve.cache.attention.torch_ref import TorchPagedAttention, to_cache_dtype
@@ -67,7 +66,6 @@ _HEADERS = tuple(
 # Tuples: torch appends its own libraries to the flag lists it is given, and a module-level list
 # that grew would change the build's hash, so every later load in the process would rebuild.
 _CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi")
-_LDFLAGS = ("-fopenmp",)
 ISA_ENV = "PAGEDSERVE_CPU_ISA"
 # The ISA the kernel is compiled for: `native` is the host's own (-march=native); `avx2` and
 # `avx512` build a fixed x86 level (tuned for the host), so a developer on an AVX-512 machine
@@ -145,17 +143,6 @@ def _build_key(isa: str, cflags: list[str]) -> str:
     return digest.hexdigest()[:12]
 
 
-def _open_build_lock(build_dir: Path) -> IO[str]:
-    try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        return open(build_dir / "pagedserve.flock", "w")  # noqa: SIM115 - the caller closes it
-    except OSError as error:  # e.g. a cache directory owned by another user
-        raise RuntimeError(
-            f"cannot use the kernel cache {build_dir} ({error}); point "
-            "$PAGEDSERVE_CACHE at a writable directory"
-        ) from error
-
-
 @functools.cache
 def _check_isa(isa: str) -> None:
     if isa not in ISA_FLAGS:
@@ -190,38 +177,6 @@ def _load_cpu_kernel(isa: str) -> ModuleType:
     return build_extension(
         f"pagedserve_paged_attention_{key}", _SOURCES, cflags, build_dir, "the CPU attention kernel"
     )
-
-
-def build_extension(
-    name: str, sources: tuple[Path, ...], cflags: list[str], build_dir: Path, what: str
-) -> ModuleType:
-    """Build (unless `build_dir` holds it) and import the C++ extension `name` from `sources`,
-    one builder at a time per directory; `what` names it in the error.
-
-    Raises:
-        RuntimeError: the directory is not writable, or the compiler or torch's build tooling
-            failed (with the build log).
-    """
-    from torch.utils import cpp_extension
-
-    flock = _open_build_lock(build_dir)
-    # torch's own build lock is a plain file that a killed builder leaves behind, after which every
-    # later start waits forever. An flock dies with its holder: whoever holds it is the only
-    # builder alive, so a torch lock file found then is stale and is removed.
-    with flock:
-        fcntl.flock(flock, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        try:
-            return cpp_extension.load(
-                name=name,
-                sources=[str(source) for source in sources],
-                extra_cflags=cflags,
-                extra_ldflags=list(_LDFLAGS),
-                build_directory=str(build_dir),
-                verbose=False,
-            )
-        except Exception as error:  # compiler errors surface as several exception types
-            raise RuntimeError(f"building {what} in {build_dir} failed: {error}") from error
 
 
 class CpuPagedAttention:
