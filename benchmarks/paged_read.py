@@ -10,36 +10,24 @@ from this pass is what is left to its own code.
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from pagedserve.cache.attention.build import build_extension
+from pagedserve.cache.attention.build import BASE_CFLAGS, build_extension, build_key
 from pagedserve.cache.attention.cpu import ISA_FLAGS, kernel_cache_dir
-from pagedserve.cache.attention.cpu_features import host_cpu_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_read.cpp"
-CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi", *ISA_FLAGS["native"])
+CFLAGS = (*BASE_CFLAGS, *ISA_FLAGS["native"])
 
 
 @functools.cache
 def load_paged_read() -> ModuleType:
     """Build (first time, ~30 s) and import the read pass; cached for the process."""
-    digest = hashlib.sha256()
-    for part in (
-        SOURCE.read_bytes(),
-        torch.__version__.encode(),
-        str(Path(torch.__file__).parent).encode(),  # the include paths build.ninja holds
-        str(CFLAGS).encode(),
-    ):
-        digest.update(part)
-    # -march=native builds for this CPU only: the host's flags are part of the key.
-    digest.update(" ".join(sorted(host_cpu_flags())).encode())
-    key = digest.hexdigest()[:12]
-    name = f"pagedserve_paged_read_{key}"
+    key = build_key((SOURCE,), str(CFLAGS))
     build_dir = kernel_cache_dir() / f"paged_read_{key}"
+    name = f"pagedserve_paged_read_{key}"
     return build_extension(name, (SOURCE,), list(CFLAGS), build_dir, "the paged read pass")
 
 

@@ -2,17 +2,53 @@
 
 The CPU attention kernel (cpu.py) and the benchmarks' paged read pass (benchmarks/paged_read.py)
 build through here: torch's `cpp_extension.load` under an flock on the build directory, so that
-concurrent first uses wait for one build, and a builder killed midway cannot hang the next.
+concurrent first uses wait for one build, and a builder killed midway cannot hang the next; each
+in a directory named by `build_key`, so a rebuild happens only when what it depends on changes.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import platform
+from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import IO
 
-_LDFLAGS = ("-fopenmp",)  # a tuple: torch appends its libraries to the lists it is given
+import torch
+
+# -Wno-psabi: GCC notes the ABI of wide vector returns; they never leave the files.
+# Tuples: torch appends its own libraries to the flag lists it is given, and a module-level list
+# that grew would change the build's hash, so every later load in the process would rebuild.
+BASE_CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi")
+_LDFLAGS = ("-fopenmp",)
+
+
+def build_key(files: Iterable[Path], *parts: str) -> str:
+    """What a built extension depends on: its source files, the torch install, `parts` (the ISA,
+    the flags) and the host's CPU features; a change to any of it builds a fresh copy."""
+    digest = hashlib.sha256()
+    for part in (
+        *(file.read_bytes() for file in files),
+        torch.__version__.encode(),
+        # Each torch install writes its own include paths into build.ninja: two venvs sharing one
+        # build directory would rebuild it back and forth.
+        str(Path(torch.__file__).parent).encode(),
+        *(part.encode() for part in parts),
+        _host_cpu_signature().encode(),
+    ):
+        digest.update(part)
+    return digest.hexdigest()[:12]
+
+
+def _host_cpu_signature() -> str:
+    # -march=native output is only valid on CPUs with the same features: key the build on them.
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), platform.machine())
+    except OSError:
+        return platform.processor() or platform.machine()
 
 
 def build_extension(

@@ -16,17 +16,15 @@ one of them changes; an flock makes concurrent first uses wait for one build.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import platform
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from pagedserve.cache.attention.build import build_extension
+from pagedserve.cache.attention.build import BASE_CFLAGS, build_extension, build_key
 from pagedserve.cache.attention.cpu_features import host_cpu_flags
 from pagedserve.cache.attention.metadata import AttentionMetadata
 from pagedserve.cache.attention.torch_ref import TorchPagedAttention, to_cache_dtype
@@ -62,10 +60,6 @@ _HEADERS = tuple(
         "transpose.h",
     )
 )  # part of the build key too
-# -Wno-psabi: GCC notes the ABI of wide vector returns; they never leave the file.
-# Tuples: torch appends its own libraries to the flag lists it is given, and a module-level list
-# that grew would change the build's hash, so every later load in the process would rebuild.
-_CFLAGS = ("-O3", "-fopenmp", "-Wno-psabi")
 ISA_ENV = "PAGEDSERVE_CPU_ISA"
 # The ISA the kernel is compiled for: `native` is the host's own (-march=native); `avx2` and
 # `avx512` build a fixed x86 level (tuned for the host), so a developer on an AVX-512 machine
@@ -99,15 +93,6 @@ def kernel_cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _host_cpu_signature() -> str:
-    # -march=native output is only valid on CPUs with the same features: key the build on them.
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line for line in cpuinfo if line.startswith("flags")), platform.machine())
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
 def requested_isa() -> str:
     """`$PAGEDSERVE_CPU_ISA` (default native), checked.
 
@@ -124,23 +109,6 @@ def host_runnable_isas(flags: frozenset[str] | None = None) -> list[str]:
     """The ISA builds this host can execute (native always), from its /proc/cpuinfo flags."""
     flags = host_cpu_flags() if flags is None else flags
     return [isa for isa, needed in ISA_REQUIRED_FLAGS.items() if all(f in flags for f in needed)]
-
-
-def _build_key(isa: str, cflags: list[str]) -> str:
-    """What the built extension depends on: a change to any of it builds a fresh copy."""
-    digest = hashlib.sha256()
-    for part in (
-        *(source.read_bytes() for source in (*_SOURCES, *_HEADERS)),
-        torch.__version__.encode(),
-        # Each torch install writes its own include paths into build.ninja: two venvs sharing one
-        # build directory would rebuild it back and forth.
-        str(Path(torch.__file__).parent).encode(),
-        isa.encode(),
-        str(cflags).encode(),
-        _host_cpu_signature().encode(),
-    ):
-        digest.update(part)
-    return digest.hexdigest()[:12]
 
 
 @functools.cache
@@ -167,8 +135,8 @@ def load_cpu_kernel(isa: str | None = None) -> ModuleType:
 @functools.cache
 def _load_cpu_kernel(isa: str) -> ModuleType:
     _check_isa(isa)
-    cflags = [*_CFLAGS, *ISA_FLAGS[isa]]
-    key = _build_key(isa, cflags)
+    cflags = [*BASE_CFLAGS, *ISA_FLAGS[isa]]
+    key = build_key((*_SOURCES, *_HEADERS), isa, str(cflags))
     build_dir = kernel_cache_dir() / f"paged_attention_{isa}_{key}"
     if not (build_dir / f"pagedserve_paged_attention_{key}.so").exists():
         logger.info(
