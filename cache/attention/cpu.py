@@ -55,6 +55,7 @@ _HEADERS = tuple(
         "bfloat16_bits.h",
         "float_tiles.h",
         "float_vectors.h",
+        "prefetch.h",
         "row_formats.h",
         "tile_attention.h",
         "transpose.h",

@@ -1,8 +1,9 @@
 """What the host CPU can compute natively: its vector ISA, whether it has bf16 dot products, and
 whether torch's BLAS (MKL) runs its fast code paths on it.
 
-Read from the `flags` and `vendor_id` lines of /proc/cpuinfo (Linux x86). Every decision takes the
-flags or vendor as an argument, so tests can ask what another CPU would get on any host.
+Read from the `flags`, `vendor_id` and `cpu family` lines of /proc/cpuinfo (Linux x86). Every
+decision takes the flags or vendor as an argument, so tests can ask what another CPU would get on
+any host.
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ def host_cpu_flags() -> frozenset[str]:
 def host_cpu_vendor() -> str:
     """The host's CPU vendor id, e.g. GenuineIntel or AuthenticAMD ("" where none is given)."""
     return _cpuinfo_value(("vendor_id",)).strip()
+
+
+@functools.cache
+def host_cpu_family() -> int | None:
+    """The host's CPU family number (e.g. 25 for AMD's Zen 4, 26 for Zen 5; None where
+    /proc/cpuinfo gives none)."""
+    value = _cpuinfo_value(("cpu family",)).strip()
+    return int(value) if value.isdigit() else None
 
 
 def _cpuinfo_value(keys: tuple[str, ...]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagedserve.cache.attention.cpu_features import (
+    host_cpu_family,
     host_cpu_flags,
     host_cpu_vendor,
     missing_native_bf16,
@@ -31,6 +32,13 @@ def test_the_host_vendor_comes_from_cpuinfo_without_whitespace():
     assert vendor == vendor.strip()
     with open("/proc/cpuinfo") as cpuinfo:
         assert vendor in cpuinfo.read()
+
+
+def test_the_host_family_is_cpuinfos_cpu_family_number():
+    with open("/proc/cpuinfo") as cpuinfo:
+        lines = [line for line in cpuinfo if line.startswith("cpu family")]
+    expected = int(lines[0].split(":", 1)[1]) if lines else None
+    assert host_cpu_family() == expected
 
 
 def test_isa_builds_need_their_features_and_native_is_always_runnable():

@@ -23,6 +23,7 @@ bool bf16_dot_products();
 bool fp8_as_bf16();
 bool amx_tiles();
 bool float_prefetch_by_head();
+bool prefetch_into_l1();
 // rms_norm.cpp, silu_mul.cpp, rope.cpp, skinny_linear.cpp, panel_linear.cpp, store_kv.cpp and
 // greedy.cpp
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps);
@@ -50,6 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("amx_tiles") = amx_tiles();  // bfloat16 prefill items on AMX tiles
   // float32 decode tiles prefetched kv head by kv head (AMD), else key by key
   m.attr("float_prefetch_by_head") = float_prefetch_by_head();
+  // decode tiles prefetched into L1 (AMD Zen 5 and later), else into L2
+  m.attr("prefetch_into_l1") = prefetch_into_l1();
   m.def("paged_attention", &paged_attention, py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,
