@@ -547,6 +547,13 @@ def _linux_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def _amd_zen5_or_later() -> bool:
+    from pagedserve.cache.attention.cpu_features import host_cpu_family, host_cpu_vendor
+
+    family = host_cpu_family()
+    return host_cpu_vendor() == "AuthenticAMD" and family is not None and family >= 0x1A
+
+
 def test_float32_decode_prefetches_by_head_on_amd_and_key_by_key_elsewhere(cpu_backend):
     # The order that measured faster on each vendor's cores (paged_attention.cpp,
     # float_prefetch_by_head); every build of a host takes the host's order. Results do not
@@ -558,11 +565,10 @@ def test_float32_decode_prefetches_by_head_on_amd_and_key_by_key_elsewhere(cpu_b
     assert cpu_backend._kernel.float_prefetch_by_head is expected
 
 
-def test_decode_tiles_prefetch_into_l1_on_zen5_and_later_and_into_l2_elsewhere(cpu_backend):
-    # prefetcht0 measured faster on AMD family 1Ah (Zen 5), prefetcht1 on Zen 4 and Sapphire
-    # Rapids (paged_attention.cpp, prefetch_into_l1); every build of a host takes the host's hint.
-    from pagedserve.cache.attention.cpu_features import host_cpu_family, host_cpu_vendor
-
-    family = host_cpu_family()
-    expected = host_cpu_vendor() == "AuthenticAMD" and family is not None and family >= 0x1A
+def test_decode_prefetch_on_zen5_and_later_goes_into_l1_a_block_apart(cpu_backend):
+    # prefetcht0, with the next tile's blocks interleaved, measured faster on AMD family 1Ah
+    # (Zen 5); prefetcht1 in position order elsewhere (paged_attention.cpp, prefetch_into_l1 and
+    # prefetch_blocks_interleaved). Every build of a host takes the host's plan.
+    expected = _amd_zen5_or_later()
     assert cpu_backend._kernel.prefetch_into_l1 is expected
+    assert cpu_backend._kernel.prefetch_blocks_interleaved is expected

@@ -24,6 +24,7 @@ bool fp8_as_bf16();
 bool amx_tiles();
 bool float_prefetch_by_head();
 bool prefetch_into_l1();
+bool prefetch_blocks_interleaved();
 // rms_norm.cpp, silu_mul.cpp, rope.cpp, skinny_linear.cpp, panel_linear.cpp, store_kv.cpp and
 // greedy.cpp
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps);
@@ -53,6 +54,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("float_prefetch_by_head") = float_prefetch_by_head();
   // decode tiles prefetched into L1 (AMD Zen 5 and later), else into L2
   m.attr("prefetch_into_l1") = prefetch_into_l1();
+  // the next tile's keys requested a block apart (Zen 5 and later), else by position
+  m.attr("prefetch_blocks_interleaved") = prefetch_blocks_interleaved();
   m.def("paged_attention", &paged_attention, py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,

@@ -70,6 +70,7 @@
 
 bool float_prefetch_by_head();  // defined at the end, with the build's other facts
 bool prefetch_into_l1();
+bool prefetch_blocks_interleaved();
 
 namespace {
 
@@ -955,11 +956,12 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
   // prefetcher cannot run ahead across blocks. Prefetched into L2, not L1 (but on Zen 5:
   // prefetch_into_l1), and spread over the tile's work rather than all at once: on an AMD EPYC
   // (Zen 4) a whole tile's lines requested into L1 in one burst stalled on L1's few miss
-  // buffers, and the decode step ran 1.5-1.7x slower than with the same requests into L2. A share before each row's scores gained another 3-18%;
-  // a share before each group of kLanes keys of a row (num_rows x tile_keys / kLanes shares, ~43
-  // lines each for a float32 decode item of the default model, against ~170 per row) took a
-  // float32 64 x 384 decode step from 1.41-1.64x to 1.12-1.34x the time of a plain read of its
-  // K/V (1.40-1.51x to 1.21-1.36x at 1,024; bfloat16 0-7% faster), with the same loads: a pass
+  // buffers, and the decode step ran 1.5-1.7x slower than with the same requests into L2. A
+  // share before each row's scores gained another 3-18%; a share before each group of kLanes
+  // keys of a row (num_rows x tile_keys / kLanes shares, ~43 lines each for a float32 decode
+  // item of the default model, against ~170 per row) took a float32 64 x 384 decode step from
+  // 1.41-1.64x to 1.12-1.34x the time of a plain read of its K/V (1.40-1.51x to 1.21-1.36x at
+  // 1,024; bfloat16 0-7% faster), with the same loads: a pass
   // that only gathers K/V through the block tables, prefetching a few keys ahead, runs at the read
   // pass's speed, so the bursts, not the scattered blocks, had kept loads and arithmetic apart.
   // Finer still (every 4 keys, a branch inside the score loop) was slower again.
@@ -982,10 +984,28 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
   // Into L2 (prefetcht1), or into L1 (prefetcht0) on the cores where that measured faster.
   const bool into_l1 = prefetch_into_l1();
   auto prefetch_line = [into_l1](const char* line) { pagedserve::prefetch_line(line, into_l1); };
-  auto prefetch_rows = [&](const int64_t* rows, int begin, int end) {
-    for (int t = begin; t < end; ++t) {
-      const char* key = reinterpret_cast<const char*>(p.key_cache + rows[t]);
-      const char* value = reinterpret_cast<const char*>(p.value_cache + rows[t]);
+  // The order a full tile's keys are requested in: by position, or a block apart where
+  // prefetch_blocks_interleaved (key 0 of each of the tile's blocks, then key 1 of each, ...), so
+  // that the requests run down all of the tile's blocks at once. The i-th key requested is
+  // (i mod B) x block_size + i div B for B blocks a tile, by shifts (no division per key): block
+  // sizes that are powers of two below kKeyTile; other sizes and partial tiles (a task's last) go
+  // by position.
+  int block_shift = 0, blocks_shift = 0;  // log2(block_size), log2(B); B = 1: by position
+  if (prefetch_blocks_interleaved() && p.block_size < kKeyTile &&
+      (p.block_size & (p.block_size - 1)) == 0) {
+    block_shift = __builtin_ctz(p.block_size);
+    blocks_shift = __builtin_ctz(kKeyTile) - block_shift;
+  }
+  const int blocks_mask = (1 << blocks_shift) - 1;
+  auto key_at = [=](int i, int keys) {
+    return keys == kKeyTile ? ((i & blocks_mask) << block_shift) + (i >> blocks_shift) : i;
+  };
+  // Requests the keys key_at([begin, end)) of a tile of `keys` keys.
+  auto prefetch_rows = [&](const int64_t* rows, int keys, int begin, int end) {
+    for (int i = begin; i < end; ++i) {
+      const int64_t row = rows[key_at(i, keys)];
+      const char* key = reinterpret_cast<const char*>(p.key_cache + row);
+      const char* value = reinterpret_cast<const char*>(p.value_cache + row);
       for (int byte = 0; byte < row_bytes; byte += 64) {
         prefetch_line(key + byte);
         prefetch_line(value + byte);
@@ -994,15 +1014,16 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
   };
   // prefetch_share(share, shares) requests the next tile up to share / shares of it (a share may
   // hold none, or several rows), key by key: every head's K row of a key, then its V row, each
-  // one contiguous span. On AMD's cores float32 tiles go in the order attend_head reads them
-  // instead (float_prefetch_by_head): kv head by kv head, that head's K row of every key, then
-  // its V rows (units of one head's row of one key, `next_part` = 2 x head + 1 for V,
-  // `next_key`). Requested key by key there, the last keys' head-0 rows arrived late, while the
-  // first row was scoring them: a float32 decode step 64 x 1,024 took 1.39x the time of a plain
-  // read of its K/V that way and 1.19x by head (AVX-512 build 1.22x -> 1.10x, AVX2 1.53x ->
-  // 1.35x; 2-core Zen 4, 40 interleaved repeats; on huge pages the workload's step 1.13x). Over a
-  // bfloat16 cache, whose steps are bound by arithmetic rather than memory, the head order was
-  // 1.07-1.29x slower, so those keep the key order everywhere.
+  // one contiguous span (keys a block apart where prefetch_blocks_interleaved: key_at). On AMD's
+  // cores float32 tiles go in the order attend_head reads them instead (float_prefetch_by_head):
+  // kv head by kv head, that head's K row of every key, then its V rows (units of one head's row
+  // of one key, `next_part` = 2 x head + 1 for V, `next_key`). Requested key by key there, the
+  // last keys' head-0 rows arrived late, while the first row was scoring them: a float32 decode
+  // step 64 x 1,024 took 1.39x the time of a plain read of its K/V that way and 1.19x by head
+  // (AVX-512 build 1.22x -> 1.10x, AVX2 1.53x -> 1.35x; 2-core Zen 4, 40 interleaved repeats;
+  // on huge pages the workload's step 1.13x). Over a bfloat16 cache, whose steps are bound by
+  // arithmetic rather than memory, the head order was 1.07-1.29x slower, so those keep the key
+  // order everywhere.
   const bool by_head = std::is_same_v<cache_t, float> && float_prefetch_by_head();
   const int head_bytes = head_dim * static_cast<int>(sizeof(cache_t));
   int next_requested = 0, next_part = 0, next_key = 0;  // units (by_head) or keys requested
@@ -1011,7 +1032,7 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
     const int until = static_cast<int>(static_cast<int64_t>(share) * units / shares);
     if (until <= next_requested) return;
     if (!by_head) {
-      prefetch_rows(rows, next_requested, until);
+      prefetch_rows(rows, next_keys, next_requested, until);
       next_requested = until;
       return;
     }
@@ -1027,7 +1048,8 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
   };
   resolve_tile(first_key, tile_rows[0]);
   if (!first_tile_prefetched) {
-    prefetch_rows(tile_rows[0], 0, std::min(kKeyTile, num_keys - first_key));
+    const int keys = std::min(kKeyTile, num_keys - first_key);
+    prefetch_rows(tile_rows[0], keys, 0, keys);
   }
   // Rows read in place are pointed at once per tile, at the task's first kv head; scoring and the
   // value pass add each head's offset (the heads of a slot are adjacent). Rows widened into
@@ -1406,19 +1428,42 @@ bool amx_tiles() {  // bfloat16 prefill items on AMX (tile_attention.h), where L
 #endif
 }
 
+#if defined(__x86_64__)
+namespace {
+// The CPUID vendor's first word: "Auth"enticAMD, "Hygo"nGenuine (the same design), "Genu"ineIntel.
+unsigned int cpu_vendor_word() {
+  unsigned int eax, ebx, ecx, edx;
+  return __get_cpuid(0, &eax, &ebx, &ecx, &edx) ? ebx : 0;
+}
+constexpr unsigned int kAuth = 0x68747541, kHygo = 0x6f677948;
+
+// AMD's Zen 5 (family 1Ah) or a later core, where the decode prefetch below takes another plan.
+bool amd_zen5_or_later() {
+  static const bool zen5 = [] {
+    unsigned int eax, ebx, ecx, edx;
+    if (cpu_vendor_word() != kAuth || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned int base_family = (eax >> 8) & 0xf, extended_family = (eax >> 20) & 0xff;
+    return (base_family == 0xf ? base_family + extended_family : base_family) >= 0x1a;
+  }();
+  return zen5;
+}
+}  // namespace
+#endif
+
 // Whether float32 tiles' prefetches go out kv head by kv head (attend_item's prefetch_share): on
 // AMD's cores (and Hygon's, the same design), where that order made a float32 decode step 1.13-
 // 1.17x faster than key by key (2-core Zen 4). Key by key everywhere else: on Intel's Sapphire
 // Rapids the head order was the slower one, a 64 x 1,024 float32 decode step from memory (2 MiB
 // pages, 3 interleaved runs) taking 1.43-1.47x the time of a plain read of its K/V against
 // 1.29-1.30x key by key (AVX-512 builds; AVX2 1.61-1.63x against 1.42-1.47x); key order also
-// issues fewer instructions (1.15-1.30 ms with K/V in L2, against 1.50-1.66 by head).
+// issues fewer instructions (1.15-1.30 ms with K/V in L2, against 1.50-1.66 by head). On Zen 5,
+// key order with the blocks interleaved (prefetch_blocks_interleaved) measured 7% faster than by
+// head in three runs and level or 4% slower in three others: by head it stays.
 bool float_prefetch_by_head() {
 #if defined(__x86_64__)
   static const bool by_head = [] {
-    unsigned int eax, ebx, ecx, edx;
-    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
-    return ebx == 0x68747541 || ebx == 0x6f677948;  // "Auth"enticAMD, "Hygo"nGenuine
+    const unsigned int vendor = cpu_vendor_word();
+    return vendor == kAuth || vendor == kHygo;
   }();
   return by_head;
 #else
@@ -1427,23 +1472,30 @@ bool float_prefetch_by_head() {
 }
 
 // Whether decode tiles are prefetched into L1 (prefetcht0) instead of L2 (prefetcht1): on AMD's
-// Zen 5 (family 1Ah) and later. There, in interleaved rounds of a 64 x 1,024 decode step from
-// memory (2-core EPYC 9005 VM), L1 was faster in every build and cache dtype: float32 2.5-10%
-// (native 3.21 -> 3.13, AVX-512 3.34 -> 3.11, AVX2 3.47 -> 3.14 ms), bfloat16 4-7% (1.70 ->
-// 1.58, 1.66 -> 1.58, 1.60 -> 1.54 ms); the plain paged read pass too (1.27x against 1.33x the
-// time of a contiguous read). On Zen 4 an L1 prefetch of the same tiles ran 1.66x slower, on
-// Sapphire Rapids 3% slower (2.85 against 2.77 ms), so every other CPU keeps L2.
+// Zen 5 and later. There, in interleaved rounds of a 64 x 1,024 decode step from memory (2-core
+// EPYC 9005 VM), L1 was faster in every build and cache dtype: float32 2.5-10% (native 3.21 ->
+// 3.13, AVX-512 3.34 -> 3.11, AVX2 3.47 -> 3.14 ms), bfloat16 4-7% (1.70 -> 1.58, 1.66 -> 1.58,
+// 1.60 -> 1.54 ms); the plain paged read pass too (1.27x against 1.33x the time of a contiguous
+// read). On Zen 4 an L1 prefetch of the same tiles ran 1.66x slower, on Sapphire Rapids 3% slower
+// (2.85 against 2.77 ms), so every other CPU keeps L2.
 bool prefetch_into_l1() {
 #if defined(__x86_64__)
-  static const bool into_l1 = [] {
-    unsigned int eax, ebx, ecx, edx;
-    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx) || ebx != 0x68747541) return false;  // "Auth"
-    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
-    const unsigned int base_family = (eax >> 8) & 0xf, extended_family = (eax >> 20) & 0xff;
-    const unsigned int family = base_family == 0xf ? base_family + extended_family : base_family;
-    return family >= 0x1a;
-  }();
-  return into_l1;
+  return amd_zen5_or_later();
+#else
+  return false;
+#endif
+}
+
+// Whether the next tile's keys, where they are requested key by key, go a block apart (key 0 of
+// each of its blocks, then key 1 of each, ...: attend_item's key_at) rather than in position
+// order, one block after another: on Zen 5 and later. There the requests of a tile's four 16-key
+// blocks, interleaved, made a bfloat16 64 x 1,024 decode step 8-17% faster (native 1.30 -> 1.08,
+// 1.20 -> 1.03 and 1.20 -> 1.06 ms, AVX-512 1.39 -> 1.21 and 1.41 -> 1.30; AVX2, bound by its
+// arithmetic, level: 1.41 -> 1.41, 1.40 -> 1.42); the same bits, only the requests move. Not
+// measured on other CPUs, which keep position order. (float32 tiles go by head on AMD's cores.)
+bool prefetch_blocks_interleaved() {
+#if defined(__x86_64__)
+  return amd_zen5_or_later();
 #else
   return false;
 #endif
