@@ -1489,9 +1489,9 @@ bool prefetch_into_l1() {
 // Whether the next tile's keys, where they are requested key by key, go a block apart (key 0 of
 // each of its blocks, then key 1 of each, ...: attend_item's key_at) rather than in position
 // order, one block after another: on Zen 5 and later. There the requests of a tile's four 16-key
-// blocks, interleaved, made a bfloat16 64 x 1,024 decode step 8-17% faster (native 1.30 -> 1.08,
-// 1.20 -> 1.03 and 1.20 -> 1.06 ms, AVX-512 1.39 -> 1.21 and 1.41 -> 1.30; AVX2, bound by its
-// arithmetic, level: 1.41 -> 1.41, 1.40 -> 1.42); the same bits, only the requests move. Not
+// blocks, interleaved, made a bfloat16 64 x 1,024 decode step 6-17% faster (native 1.30 -> 1.08,
+// 1.20 -> 1.06, 1.16 -> 1.09 ms, AVX-512 1.39 -> 1.21, 1.41 -> 1.30, 1.26 -> 1.17; AVX2, bound by
+// its arithmetic, level: 1.41 -> 1.41, 1.31 -> 1.31); the same bits, only the requests move. Not
 // measured on other CPUs, which keep position order. (float32 tiles go by head on AMD's cores.)
 bool prefetch_blocks_interleaved() {
 #if defined(__x86_64__)
