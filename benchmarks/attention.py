@@ -7,7 +7,9 @@ tables, as a long-running server would. Roofline rows come with them: a pass tha
 the K/V bytes (`read_kv_once`: the cache as one contiguous stream, the issue's memory roofline),
 on the CPU a pass that only reads them through the block tables (`read_kv_paged`,
 benchmarks/paged_read.py: the scattered blocks a paged kernel must read, so the gap between the
-two read passes is what the paged layout costs the host), and the kernel with K/V resident in L2.
+two read passes is what the paged layout costs the host, read block by block; and
+`read_kv_paged_4_at_once`, four of a request's blocks at a time with no software prefetch, what the
+hardware prefetchers make of the same blocks), and the kernel with K/V resident in L2.
 
     python -m pagedserve.benchmarks.attention [--batch 64] [--context 1024] [--dtype float32 bfloat16]
         [--kv-cache-dtype auto bfloat16 fp8_e4m3] [--device cpu|cuda] [--backend auto|cpu|triton]
@@ -234,6 +236,12 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str, kv_dtype_name: str) -
             return read_paged_kv(keys, values, meta.block_tables, meta.seq_lens)
 
         roofline["read_kv_paged"] = read_paged
+
+        def read_paged_4_at_once() -> int:  # a tile's four 16-token blocks at a time, 8 streams
+            keys, values = next(rotation)
+            return read_paged_kv(keys, values, meta.block_tables, meta.seq_lens, blocks_at_once=4)
+
+        roofline["read_kv_paged_4_at_once"] = read_paged_4_at_once
     for impl, isa_kernel in isa_kernels(args).items():
         roofline[impl] = lambda k=isa_kernel: k.forward(query, *next(rotation), meta, scale)
         roofline[f"{impl}_kv_in_l2"] = lambda k=isa_kernel: k.forward(

@@ -39,10 +39,17 @@ def read_paged_kv(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     into_l1: bool | None = None,
+    blocks_at_once: int = 1,
 ) -> int:
     """The largest int32 among the bytes of every block the requests' tables reach up to their
-    seq_len, K and V; the reads are the point, the value proves they happened. Prefetched into L1
-    or L2 as `into_l1` says (None: as the attention kernel's native build does on this host)."""
+    seq_len, K and V; the reads are the point, the value proves they happened.
+
+    `blocks_at_once` 1 reads block by block, prefetching into L1 or L2 as `into_l1` says (None: as
+    the attention kernel's native build does on this host); n > 1 reads n of a request's blocks
+    at a time, line by line across them, with no software prefetch (the hardware prefetchers'
+    rate over the same scattered blocks)."""
     if into_l1 is None:
         into_l1 = bool(load_cpu_kernel().prefetch_into_l1)
-    return load_paged_read().read_paged_kv(key_cache, value_cache, block_tables, seq_lens, into_l1)
+    return load_paged_read().read_paged_kv(
+        key_cache, value_cache, block_tables, seq_lens, into_l1, blocks_at_once
+    )

@@ -12,9 +12,10 @@
 // 16-token bfloat16 blocks, 12 KiB in float32). On a Sapphire Rapids VM (64 x 1,024 decode step,
 // huge pages) it ran at 89-92% of the plain pass over a bfloat16 cache and 93-98% over a float32
 // one: the layout's own cost, and the bound a paged kernel reading this way can approach. On an
-// AMD EPYC Zen 5 VM it ran at 63-82% (float32, prefetching into L1); there the hardware
-// prefetchers, not the software ones, set the pace: with no software prefetch, the same blocks
-// read two at a time (four streams, K and V of each) came at 92-100% of the plain pass.
+// AMD EPYC Zen 5 VM it ran at 63-82% (float32, prefetching into L1). There, in a standalone
+// harness, the same blocks read two at a time with no software prefetch (four streams, K and V of
+// each) came at 92-100% of the plain pass; in benchmarks/attention.py's own rounds four at a time
+// (blocks_at_once) was only 5% faster than block by block, 1.20-1.21x the plain pass' time.
 
 #include <torch/extension.h>
 
@@ -32,8 +33,13 @@ constexpr int64_t kLineBytes = sizeof(line_t);
 constexpr int kAheadLines = 256;  // 16 KiB ahead, K and V lines together
 
 // The largest int32 among the bytes read (a value to return, so the reads cannot be dropped).
+// blocks_at_once 1: block by block with software prefetch, as above; n > 1: n of a request's
+// blocks at a time, line by line across them (2n streams, K and V of each), with no software
+// prefetch, to show what the hardware prefetchers alone make of the scattered blocks.
 int64_t read_paged_kv(const at::Tensor& key_cache, const at::Tensor& value_cache,
-                      const at::Tensor& block_tables, const at::Tensor& seq_lens, bool into_l1) {
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, bool into_l1,
+                      int64_t blocks_at_once) {
+  TORCH_CHECK(blocks_at_once >= 1 && blocks_at_once <= 64, "blocks_at_once must be in [1, 64]");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.dim() >= 2 &&
                   key_cache.dtype() == value_cache.dtype(),
@@ -83,16 +89,28 @@ int64_t read_paged_kv(const at::Tensor& key_cache, const at::Tensor& value_cache
         }
       }
     };
-    request_ahead(kAheadLines);
     line_t maximum = line_t{} + std::numeric_limits<int32_t>::min();
-    for (int64_t b = 0; b < blocks; ++b) {
-      for (int64_t l = 0; l < lines; ++l) {
-        request_ahead(2);
-        line_t key, value;
-        std::memcpy(&key, line(b, l, false), kLineBytes);
-        std::memcpy(&value, line(b, l, true), kLineBytes);
-        maximum = maximum > key ? maximum : key;
-        maximum = maximum > value ? maximum : value;
+    auto read = [&](int64_t b, int64_t l) {
+      line_t key, value;
+      std::memcpy(&key, line(b, l, false), kLineBytes);
+      std::memcpy(&value, line(b, l, true), kLineBytes);
+      maximum = maximum > key ? maximum : key;
+      maximum = maximum > value ? maximum : value;
+    };
+    if (blocks_at_once == 1) {
+      request_ahead(kAheadLines);
+      for (int64_t b = 0; b < blocks; ++b) {
+        for (int64_t l = 0; l < lines; ++l) {
+          request_ahead(2);
+          read(b, l);
+        }
+      }
+    } else {
+      for (int64_t first = 0; first < blocks; first += blocks_at_once) {
+        const int64_t end = std::min(blocks, first + blocks_at_once);
+        for (int64_t l = 0; l < lines; ++l) {
+          for (int64_t b = first; b < end; ++b) read(b, l);
+        }
       }
     }
     for (int i = 0; i < static_cast<int>(kLineBytes / sizeof(int32_t)); ++i) {
@@ -107,6 +125,7 @@ int64_t read_paged_kv(const at::Tensor& key_cache, const at::Tensor& value_cache
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_paged_kv", &read_paged_kv, py::arg("key_cache"), py::arg("value_cache"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("into_l1"),
+        py::arg("blocks_at_once"),
         "The largest int32 among every K/V byte the requests' blocks hold, read through the "
         "block tables (benchmarks/attention.py's paged roofline)");
 }

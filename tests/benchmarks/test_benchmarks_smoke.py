@@ -242,6 +242,7 @@ def test_attention_benchmark_times_kernel_reference_and_sdpa_per_cache_dtype(tmp
             "cpu_kv_in_l2",
             "read_kv_once",
             "read_kv_paged",
+            "read_kv_paged_4_at_once",
         )
     ]
     assert all(row["kernel_max_abs_error_vs_ref"] < 1e-5 for row in rows)
@@ -297,7 +298,8 @@ def test_attention_benchmark_times_the_triton_kernel_too(tmp_path):
         "sdpa_contiguous",
         "triton_kv_in_l2",
         "read_kv_once",
-        "read_kv_paged",  # the CPU's read through the block tables: the interpreter's caches
+        "read_kv_paged",  # the CPU's reads through the block tables: the interpreter's caches
+        "read_kv_paged_4_at_once",
     ]
     assert rows[0]["kernel_max_abs_error_vs_ref"] < 1e-5 and rows[0]["device"] == "cpu"
     assert rows[0]["fraction_of_read_roofline"] > 0
