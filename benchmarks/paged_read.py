@@ -45,9 +45,9 @@ def read_paged_kv(
     seq_len, K and V; the reads are the point, the value proves they happened.
 
     `blocks_at_once` 1 reads block by block, prefetching into L1 or L2 as `into_l1` says (None: as
-    the attention kernel's native build does on this host); n > 1 reads n of a request's blocks
-    at a time, line by line across them, with no software prefetch (the hardware prefetchers'
-    rate over the same scattered blocks)."""
+    the attention kernel's native build does on this host); 2, 4 or 8 reads that many of a
+    request's blocks at a time, line by line across them, with no software prefetch (the hardware
+    prefetchers' rate over the same scattered blocks)."""
     if into_l1 is None:
         into_l1 = bool(load_cpu_kernel().prefetch_into_l1)
     return load_paged_read().read_paged_kv(

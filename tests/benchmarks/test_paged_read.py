@@ -24,7 +24,7 @@ def _expected(key_cache, value_cache, tables, seq_lens, block_size) -> int:
 
 @pytest.mark.parametrize(
     "into_l1, blocks_at_once",  # neither the prefetch hint nor the read order changes the result
-    [(False, 1), (True, 1), (False, 2), (False, 3)],  # 3: groups of 3 and a shorter last one
+    [(False, 1), (True, 1), (False, 2), (False, 4)],  # 4: whole groups and a shorter rest
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(4))
@@ -61,9 +61,10 @@ def test_refuses_tables_that_leave_the_cache():
         read_paged_kv(
             key_cache, value_cache, torch.tensor([[0]], dtype=torch.int32), torch.tensor([17]).int()
         )
-    with pytest.raises(RuntimeError, match="blocks_at_once"):
-        read_paged_kv(
-            key_cache, value_cache, torch.tensor([[0]]).int(), one_token, blocks_at_once=0
-        )
+    for blocks_at_once in (0, 3, 16):
+        with pytest.raises(RuntimeError, match="blocks_at_once"):
+            read_paged_kv(
+                key_cache, value_cache, torch.tensor([[0]]).int(), one_token, False, blocks_at_once
+            )
     with pytest.raises(RuntimeError, match="one shape"):
         read_paged_kv(key_cache, value_cache[:2], torch.tensor([[0]], dtype=torch.int32), one_token)
