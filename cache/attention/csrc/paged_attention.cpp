@@ -961,10 +961,10 @@ bool attend_item(const Problem<cache_t>& p, const Task& task, const Task* next,
   // keys of a row (num_rows x tile_keys / kLanes shares, ~43 lines each for a float32 decode
   // item of the default model, against ~170 per row) took a float32 64 x 384 decode step from
   // 1.41-1.64x to 1.12-1.34x the time of a plain read of its K/V (1.40-1.51x to 1.21-1.36x at
-  // 1,024; bfloat16 0-7% faster), with the same loads: a pass
-  // that only gathers K/V through the block tables, prefetching a few keys ahead, runs at the read
-  // pass's speed, so the bursts, not the scattered blocks, had kept loads and arithmetic apart.
-  // Finer still (every 4 keys, a branch inside the score loop) was slower again.
+  // 1,024; bfloat16 0-7% faster), with the same loads: a pass that only gathers K/V through the
+  // block tables, prefetching a few keys ahead, runs at the read pass's speed, so the bursts, not
+  // the scattered blocks, had kept loads and arithmetic apart. Finer still (every 4 keys, a branch
+  // inside the score loop) was slower again.
   int64_t tile_rows[2][kKeyTile];
   int next_block_index = first_key / p.block_size, next_offset = first_key % p.block_size;
   // The item's kv heads are adjacent in a slot: one contiguous span per position.
