@@ -17,7 +17,14 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: tuple[str, ...] = (),
         include_stop_str_in_output: bool = False,
+        *,
+        min_tokens: int = 0,
+        stop_token_ids: frozenset[int] = frozenset(),
     ) -> None:
+        """`stop_token_ids`: the tokens that end the output once `min_tokens` are out (EOS unless
+        ignored, the request's stop_token_ids); their text is left out, as a stop string's is,
+        unless `include_stop_str_in_output`. Stop strings count only from the token after the
+        first `min_tokens` (vLLM's rule), as EOS and stop tokens are banned until then."""
         self.tokenizer = tokenizer
         context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
         self._token_ids = list(context)
@@ -25,6 +32,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._stop = stop
         self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._stop_token_ids = stop_token_ids
+        self._num_output_tokens = 0
         self._hold = (
             max((len(s) for s in stop), default=1) - 1
         )  # chars that may start a stop string
@@ -44,6 +54,9 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
         """Feed new tokens; returns (text safe to emit now, whether a stop string matched)."""
+        self._num_output_tokens += len(token_ids)
+        if token_ids and token_ids[-1] in self._stop_token_ids and not self._include_stop:
+            token_ids = token_ids[:-1]  # ends the output (banned before): no text of its own
         self._token_ids.extend(token_ids)
         self._pending += self._decode_new()
         emitted, hit = self._cut_at_stop(self._pending)
@@ -67,7 +80,10 @@ class IncrementalDetokenizer:
         return emitted, hit
 
     def _cut_at_stop(self, text: str) -> tuple[str, bool]:
-        """`text` up to the earliest stop string (included if asked), and whether one was found."""
+        """`text` up to the earliest stop string (included if asked), and whether one was found;
+        none is looked for while the output has at most `min_tokens` tokens."""
+        if self._num_output_tokens <= self._min_tokens:
+            return text, False
         hit = min(((i, s) for s in self._stop if (i := text.find(s)) >= 0), default=None)
         if hit is None:
             return text, False

@@ -118,3 +118,46 @@ def test_flush_without_a_stop_string_emits_the_partial_character():
     deltas = [detokenizer.add([token])[0] for token in (1, 2, 4)]
     tail, hit = detokenizer.flush()
     assert "".join(deltas) + tail == "xED\ufffd" and not hit
+
+
+def _feed(detokenizer: IncrementalDetokenizer, tokens: list[int]) -> tuple[str, bool]:
+    """Feed tokens one at a time up to a stop string; returns (all text, whether one hit)."""
+    text = ""
+    for token in tokens:
+        delta, hit = detokenizer.add([token])
+        text += delta
+        if hit:
+            return text, True
+    tail, hit = detokenizer.flush()
+    return text + tail, hit
+
+
+def test_a_stop_string_counts_only_after_min_tokens():
+    # "END" appears with the 5th token ("D\xc3" then "\xa9": "xENDé"): with min_tokens 5 it
+    # does not count (vLLM: only from the token after the first min_tokens); the later "END" does.
+    tokens = [1, 2, 3, 4, 5, 1, 2, 3, 7, 6]
+    assert _feed(IncrementalDetokenizer(PieceTokenizer(), [6], ("END",)), tokens) == ("x", True)
+    early = IncrementalDetokenizer(PieceTokenizer(), [6], ("END",), min_tokens=4)
+    assert _feed(early, tokens) == ("x", True)
+    late = IncrementalDetokenizer(PieceTokenizer(), [6], ("END",), min_tokens=5)
+    assert _feed(late, tokens) == ("xENDéx", True)
+    never = IncrementalDetokenizer(PieceTokenizer(), [6], ("END",), min_tokens=10)
+    assert _feed(never, tokens) == ("xENDéxEND!", False)
+
+
+@pytest.mark.parametrize(("include_stop", "text"), [(False, "xE"), (True, "xE!")])
+def test_the_token_that_ends_the_output_has_no_text_unless_asked(include_stop, text):
+    detokenizer = IncrementalDetokenizer(
+        PieceTokenizer(),
+        [6],
+        include_stop_str_in_output=include_stop,
+        stop_token_ids=frozenset({6}),
+    )
+    assert _feed(detokenizer, [1, 2, 6]) == (text, False)
+
+
+def test_a_stop_token_id_mid_output_is_text_like_any_other():
+    # Only a run's last token ends the output; the same id earlier (a speculative run is fed
+    # one token at a time, so this cannot happen there) keeps its text.
+    detokenizer = IncrementalDetokenizer(PieceTokenizer(), [6], stop_token_ids=frozenset({6}))
+    assert detokenizer.add([6, 1])[0] + detokenizer.flush()[0] == "!x"

@@ -268,6 +268,29 @@ def test_min_tokens_bans_eos_until_reached(tiny_loaded):
     assert run.finish_reasons["r"] == "stop"
 
 
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_a_stop_token_ends_the_output_without_its_text_unless_asked(
+    tiny_loaded, default_tokenizer, include_stop
+):
+    stop_id = default_tokenizer.encode(" the")[0]  # an ordinary word, with text of its own
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=10,
+        min_tokens=2,
+        stop_token_ids=(stop_id,),
+        include_stop_str_in_output=include_stop,
+        logit_bias={stop_id: 100.0},  # the best token once min_tokens no longer bans it
+    )
+    engine = make_engine(tiny_loaded, block_size=4)
+    engine.add_request("r", [5, 6, 7], params)
+    run = run_to_completion(engine)
+    tokens = run.token_ids["r"]
+    assert len(tokens) == 3 and tokens[2] == stop_id and stop_id not in tokens[:2]
+    assert run.finish_reasons["r"] == "stop"
+    expected = default_tokenizer.decode(tokens if include_stop else tokens[:2])
+    assert run.texts["r"] == expected
+
+
 def test_n4_shares_prompt_blocks_then_diverges_by_copy_on_write_and_frees_everything(tiny_loaded):
     prompt = [
         int(t) for t in torch.randint(3, 1000, (21,), generator=torch.Generator().manual_seed(5))
