@@ -8,7 +8,7 @@ threads ("Already borrowed"), and one prompt takes well under a millisecond per 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError
@@ -54,9 +54,12 @@ def encode_text(
 
 
 def completion_prompts(
-    prompt: str | list[str] | list[int] | list[list[int]], engine: EngineClient
+    prompt: str | list[str] | list[int] | list[list[int]],
+    engine: EngineClient,
+    add_special_tokens: bool = True,
 ) -> list[Prompt]:
-    """One `Prompt` per prompt of a /v1/completions request; empty prompts are rejected."""
+    """One `Prompt` per prompt of a /v1/completions request; empty prompts are rejected. Text
+    prompts get the tokenizer's special tokens (BOS...) unless `add_special_tokens` is false."""
     items: list[Any] = [prompt] if isinstance(prompt, str) else list(prompt)
     if items and isinstance(items[0], int):
         items = [items]  # a single prompt given as token ids
@@ -73,30 +76,95 @@ def completion_prompts(
         if not item:
             raise invalid_request("The prompt must not be empty.", "prompt")
         if isinstance(item, str):
-            prompts.append(Prompt(encode_text(engine, item, "prompt"), item))
+            token_ids = encode_text(engine, item, "prompt", add_special_tokens)
+            if not token_ids:  # e.g. whitespace a tokenizer drops, without special tokens
+                raise invalid_request("The prompt must not be empty.", "prompt")
+            prompts.append(Prompt(token_ids, item))
         else:
             check_token_ids(item, engine.vocab_size, "prompt")
             prompts.append(Prompt(list(item), engine.tokenizer.decode(item)))
     return prompts
 
 
+@dataclass(frozen=True, slots=True)
+class TemplateOptions:
+    """How a chat request asks its template to be rendered (vLLM's fields of the same names)."""
+
+    add_generation_prompt: bool = True  # open the assistant's turn
+    continue_final_message: bool = False  # leave the last message open, to be continued
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the template's own variables
+    add_special_tokens: bool = False  # the template writes its special tokens itself
+
+
 def chat_prompt(
-    messages: list[ChatMessage], engine: EngineClient, tools: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage],
+    engine: EngineClient,
+    tools: list[dict[str, Any]] | None = None,
+    options: TemplateOptions | None = None,
 ) -> Prompt:
-    """Render the model's chat template (with the assistant turn opened) and tokenize it. With
-    `tools`, the template's `tools` argument, or the fallback block if the template ignores it."""
+    """Render the model's chat template and tokenize it (by default with the assistant's turn
+    opened). With `tools`, the template's `tools` argument, or the fallback block if the
+    template ignores it."""
+    options = options or TemplateOptions()
+    _check_template_options(options)
     try:
         renders_tools = bool(tools) and _renders_tools(engine.tokenizer, tools or [])
         conversation = template_messages(messages, tools or [], renders_tools)
         extra = {"tools": tools} if renders_tools else {}
+        if options.continue_final_message:  # passed only when asked: not every template API has it
+            extra["continue_final_message"] = True
         text = engine.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False, **extra
+            conversation,
+            add_generation_prompt=options.add_generation_prompt,
+            tokenize=False,
+            **options.kwargs,
+            **extra,
         )
     except (ValueError, TemplateError) as exc:  # no template, or it rejects the conversation
         # (templates refuse e.g. a system role or turns that do not alternate by raising)
         raise invalid_request(f"Cannot apply the chat template: {exc}", "messages") from exc
-    # The template already contains the special tokens (BOS...), so the tokenizer adds none.
-    return Prompt(encode_text(engine, text, "messages", add_special_tokens=False), text)
+    token_ids = encode_text(engine, text, "messages", options.add_special_tokens)
+    if not token_ids:
+        raise invalid_request("The chat template rendered an empty prompt.", "messages")
+    return Prompt(token_ids, text)
+
+
+# apply_chat_template's own parameters: a template variable of one of these names would change how
+# the template is applied (or what it returns), not what it renders.
+_TEMPLATE_CALL_PARAMETERS = frozenset(
+    [
+        "conversation",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "tools",
+        "documents",
+        "chat_template",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    ]
+)
+
+
+def _check_template_options(options: TemplateOptions) -> None:
+    if options.continue_final_message and options.add_generation_prompt:
+        raise invalid_request(
+            "continue_final_message needs add_generation_prompt false: the last message is "
+            "continued, no new turn is opened.",
+            "continue_final_message",
+        )
+    reserved = sorted(_TEMPLATE_CALL_PARAMETERS.intersection(options.kwargs))
+    if reserved:
+        raise invalid_request(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: use the request's own "
+            "fields for how the template is applied.",
+            "chat_template_kwargs",
+        )
 
 
 def _renders_tools(tokenizer: Any, tools: list[dict[str, Any]]) -> bool:

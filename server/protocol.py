@@ -1,9 +1,11 @@
 """OpenAI-compatible request and response models (pydantic v2), with vLLM's sampling extensions.
 
 Requests validate types strictly (`"5"` is not an int), so a wrong type is a 400, never a silent
-coercion. Unknown fields are ignored, as OpenAI's API does: clients written for newer OpenAI
-versions (or for other servers) keep working, and the fields we do read are still checked.
-Ranges of sampling values are checked once, by `SamplingParams`, not repeated here.
+coercion. The two generation requests keep the keys they do not declare, for
+server/request_fields.py to judge: parameters vLLM implements and we do not are a 400 when they
+ask for something, other keys are ignored (as vLLM does) and logged, so clients written for newer
+OpenAI versions or other servers keep working. Nested objects ignore unknown keys. Ranges of
+sampling values are checked once, by `SamplingParams`, not repeated here.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class StructuredOutputsField(_Request):
 
 class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (null means the default)."""
+
+    # Undeclared keys are kept (model_extra) for server/request_fields.py.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -157,6 +162,7 @@ class CompletionRequest(SamplingFields):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (...) around a text prompt
 
 
 class TextPart(_Request):
@@ -202,6 +208,13 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension
+    # vLLM's chat template controls: open the assistant's turn, or continue the last message
+    # (an assistant prefill); variables for the template (e.g. Qwen3's enable_thinking); and
+    # special tokens added around the rendered text (the template has its own).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
 
 
 class TokenizeRequest(_Request):

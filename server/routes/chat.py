@@ -15,7 +15,13 @@ from pagedserve.engine.outputs import TokenLogprob
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, Item, start_generation
 from pagedserve.server.logprobs import prompt_logprobs_body
-from pagedserve.server.prompts import chat_prompt, check_model, parse_logit_bias, resolve_max_tokens
+from pagedserve.server.prompts import (
+    TemplateOptions,
+    chat_prompt,
+    check_model,
+    parse_logit_bias,
+    resolve_max_tokens,
+)
 from pagedserve.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -29,6 +35,7 @@ from pagedserve.server.protocol import (
     TopLogprob,
 )
 from pagedserve.server.recorder import RequestRecorder
+from pagedserve.server.request_fields import check_request_fields
 from pagedserve.server.streams import EventStreamResponse, sse_events
 from pagedserve.server.structured import to_structured_outputs
 from pagedserve.server.tool_parsers import ToolCallParser
@@ -67,8 +74,15 @@ def _chat_logprobs(
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     engine = request.app.state.engine
     check_model(body.model, engine)
+    check_request_fields(body, request.state.request_id)
     plan = plan_tools(body, request.app.state.config.server)
-    prompt = chat_prompt(body.messages, engine, plan.tools if plan else None)
+    template = TemplateOptions(
+        body.add_generation_prompt,
+        body.continue_final_message,
+        body.chat_template_kwargs or {},
+        body.add_special_tokens,
+    )
+    prompt = chat_prompt(body.messages, engine, plan.tools if plan else None, template)
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )

@@ -26,6 +26,7 @@ from pagedserve.server.protocol import (
     CompletionResponse,
 )
 from pagedserve.server.recorder import RequestRecorder
+from pagedserve.server.request_fields import check_request_fields
 from pagedserve.server.streams import EventStreamResponse, sse_events
 from pagedserve.server.structured import to_structured_outputs
 
@@ -65,8 +66,9 @@ def _engine_prompt_logprobs(body: CompletionRequest) -> int | None:
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     engine = request.app.state.engine
     check_model(body.model, engine)
+    check_request_fields(body, request.state.request_id)
     _check_supported(body)
-    prompts = completion_prompts(body.prompt, engine)
+    prompts = completion_prompts(body.prompt, engine, body.add_special_tokens)
     logit_bias = parse_logit_bias(body.logit_bias, engine.vocab_size)
     structured_outputs = to_structured_outputs(body)
     inputs = [

@@ -35,8 +35,13 @@ class ByteTokenizer:
         add_generation_prompt: bool,
         tokenize: bool,
         tools: object = None,  # ignored, as many real templates do
+        continue_final_message: bool = False,
+        **variables: object,  # written first, as `[name=value]`
     ) -> str:
-        text = "".join(f"<{message['role']}>{message['content']}\n" for message in conversation)
+        text = "".join(f"[{name}={value}]" for name, value in sorted(variables.items()))
+        text += "".join(f"<{message['role']}>{message['content']}\n" for message in conversation)
+        if continue_final_message:
+            text = text.removesuffix("\n")
         return text + ("<assistant>" if add_generation_prompt else "")
 
 

@@ -284,6 +284,39 @@ def test_stop_strings_end_the_text_before_the_stop_string(client, model, offline
     assert chat.choices[0].finish_reason == "stop"
 
 
+def test_chat_continues_a_prefilled_assistant_message(client, model, offline, server):
+    """vLLM's continue_final_message: the assistant's last message is left open in the real
+    template, so greedy decoding picks up where the offline chat's first tokens left off."""
+    (output,) = offline["chats"][0].outputs
+    num_prefilled = 4
+    prefill = httpx.post(
+        f"{server[0]}/detokenize",
+        json={"tokens": list(output.token_ids[:num_prefilled])},
+        headers=AUTH,
+        timeout=REQUEST_TIMEOUT_S,
+    ).json()["prompt"]
+    assert output.text.startswith(prefill) and prefill
+    messages = [*CONVERSATIONS[0], {"role": "assistant", "content": prefill}]
+    continued, with_variables = _in_parallel(
+        lambda: client.chat.completions.create(
+            model=model,
+            messages=messages,
+            temperature=0,
+            max_tokens=NUM_GREEDY_TOKENS - num_prefilled,
+            extra_body={"add_generation_prompt": False, "continue_final_message": True},
+        ),
+        lambda: client.chat.completions.create(
+            model=model,
+            messages=CONVERSATIONS[0],
+            temperature=0,
+            max_tokens=NUM_GREEDY_TOKENS,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        ),
+    )
+    assert prefill + continued.choices[0].message.content == output.text
+    assert with_variables.choices[0].message.content == output.text  # SmolLM2's ignores it
+
+
 # --- logprobs and seeds ---------------------------------------------------------------------------
 
 

@@ -95,13 +95,6 @@ def test_completion_passes_sampling_fields_to_the_engine(client, engine):
     assert params.include_stop_str_in_output and params.repetition_penalty == 1.1
 
 
-def test_unknown_fields_are_ignored_like_openai(client):
-    response = client.post(
-        "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "future_field": {"x": 1}}
-    )
-    assert response.status_code == 200
-
-
 def test_null_optional_fields_mean_their_defaults_like_openai(client):
     response = client.post(
         "/v1/completions",

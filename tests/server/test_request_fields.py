@@ -1,0 +1,172 @@
+"""Fields beyond the ones the server reads (server/request_fields.py), and vLLM's chat template
+and tokenization controls (server/prompts.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+USER = [{"role": "user", "content": "hi"}]
+ROUTES = {
+    "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+    "/v1/chat/completions": {"messages": USER, "max_tokens": 1},
+}
+
+ASKING = [
+    ("use_beam_search", True),
+    ("length_penalty", 2.0),
+    ("allowed_token_ids", [1, 2]),
+    ("bad_words", ["x"]),
+    ("skip_special_tokens", False),
+    ("skip_special_tokens", 1),  # not `true`: a number asks for something unknown
+    ("spaces_between_special_tokens", False),
+    ("truncate_prompt_tokens", 5),
+    ("return_token_ids", True),
+    ("cache_salt", "tenant-a"),
+    ("guided_whitespace_pattern", " "),
+    ("chat_template", "{{ messages }}"),
+]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(("field", "value"), ASKING)
+def test_an_unsupported_field_that_asks_for_something_is_a_400_naming_it(
+    client, engine, route, field, value
+):
+    response = client.post(route, json={**ROUTES[route], field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and "not supported" in error["message"]
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"), ("echo", True)],
+)
+def test_chat_refuses_legacy_function_calling_and_echo(client, field, value):
+    response = client.post(
+        "/v1/chat/completions", json={**ROUTES["/v1/chat/completions"], field: value}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+    if field == "functions":
+        assert "tools" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_unsupported_fields_sent_with_their_neutral_value_are_accepted(client, route):
+    neutral = {
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "allowed_token_ids": [],
+        "bad_words": None,
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "truncate_prompt_tokens": None,
+        "return_token_ids": False,
+        "cache_salt": None,
+    }
+    response = client.post(route, json={**ROUTES[route], **neutral})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_unknown_fields_are_ignored_and_logged(client, route, caplog):
+    with caplog.at_level(logging.WARNING, logger="pagedserve.server.request_fields"):
+        response = client.post(
+            route, json={**ROUTES[route], "future_field": {"x": 1}, "temprature": 0.5}
+        )
+    assert response.status_code == 200, response.text
+    request_id = response.headers["x-request-id"]
+    assert any(
+        request_id in record.getMessage() and "future_field, temprature" in record.getMessage()
+        for record in caplog.records
+    )
+
+
+def _chat_prompt(client, engine, **fields) -> str:
+    messages = fields.pop("messages", USER)
+    response = client.post("/v1/chat/completions", json={"messages": messages, **fields})
+    assert response.status_code == 200, response.text
+    return bytes(t for t in engine.requests[-1][1] if t < 256).decode()
+
+
+def test_add_generation_prompt_false_leaves_the_assistant_turn_closed(client, engine):
+    assert _chat_prompt(client, engine) == "<user>hi\n<assistant>"
+    assert _chat_prompt(client, engine, add_generation_prompt=False) == "<user>hi\n"
+
+
+def test_continue_final_message_leaves_the_prefill_open(client, engine):
+    messages = [*USER, {"role": "assistant", "content": "The answer is"}]
+    prompt = _chat_prompt(
+        client, engine, messages=messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert prompt == "<user>hi\n<assistant>The answer is"
+
+
+def test_continue_final_message_with_a_new_turn_is_a_400(client, engine):
+    messages = [*USER, {"role": "assistant", "content": "The answer is"}]
+    response = client.post(
+        "/v1/chat/completions", json={"messages": messages, "continue_final_message": True}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "continue_final_message"
+    assert engine.requests == []
+
+
+def test_chat_template_kwargs_reach_the_template(client, engine):
+    prompt = _chat_prompt(client, engine, chat_template_kwargs={"enable_thinking": False})
+    assert prompt == "[enable_thinking=False]<user>hi\n<assistant>"
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"tokenize": True}, {"tools": []}, {"add_generation_prompt": 0}]
+)
+def test_chat_template_kwargs_may_not_set_how_the_template_is_applied(client, kwargs):
+    response = client.post(
+        "/v1/chat/completions", json={"messages": USER, "chat_template_kwargs": kwargs}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "chat_template_kwargs" and next(iter(kwargs)) in error["message"]
+
+
+def test_chat_template_kwargs_must_be_an_object(client):
+    response = client.post(
+        "/v1/chat/completions", json={"messages": USER, "chat_template_kwargs": ["x"]}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "chat_template_kwargs"
+
+
+BOS = 256
+
+
+@pytest.fixture
+def bos_tokenizer(engine, monkeypatch):
+    """The fake tokenizer, adding a BOS where special tokens are asked for."""
+    encode = engine.tokenizer.encode
+
+    def encode_with_bos(text: str, add_special_tokens: bool = True) -> list[int]:
+        return [BOS] * add_special_tokens + encode(text)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", encode_with_bos)
+
+
+def test_completions_add_special_tokens_by_default_and_not_when_told(client, engine, bos_tokenizer):
+    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "add_special_tokens": False}
+    )
+    assert [request[1] for request in engine.requests] == [[BOS, *b"hi"], [*b"hi"]]
+
+
+def test_chat_adds_no_special_tokens_unless_told(client, engine, bos_tokenizer):
+    assert engine.requests == []
+    client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1})
+    client.post(
+        "/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "add_special_tokens": True}
+    )
+    assert [request[1][0] for request in engine.requests] == [ord("<"), BOS]
