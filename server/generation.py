@@ -12,7 +12,12 @@ from starlette.requests import Request
 
 from pagedserve.configs import SamplingParams, SamplingParamsError
 from pagedserve.engine.client import EngineClient
-from pagedserve.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedserve.engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    RequestFailedError,
+)
 from pagedserve.engine.outputs import RequestDelta
 from pagedserve.server.errors import (
     APIError,
@@ -50,6 +55,14 @@ async def _recorded(stream: AsyncIterator[Item], recorder: RequestRecorder) -> A
         async for prompt_idx, delta in stream:
             accepted = True
             recorder.observe(prompt_idx, delta)
+            if delta.finish_reason == "error":
+                # A choice that failed in the engine fails the request, with the engine's reason
+                # (as vLLM): a 500, or an error event once streaming, never a 200 whose cut-off
+                # text a client would take for the answer. The engine has logged the cause.
+                reason = delta.error or "no reason given"
+                raise to_api_error(
+                    RequestFailedError(f"The request failed in the engine: {reason}.")
+                )
             yield prompt_idx, delta
     except (ClientDisconnectedError, ServerShuttingDownError):
         raise

@@ -292,16 +292,19 @@ def test_a_sampling_error_fails_only_its_request(h, monkeypatch):
     }
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         normal = [pool.submit(complete, h.url, prompt=prompt, max_tokens=4) for prompt in prompts]
-        failed_plain = pool.submit(complete, h.url, **faulty)
+        failed_plain = pool.submit(_failed_completion, h.url, faulty)
         failed_stream = pool.submit(_stream_completion, h.url, {**faulty, "stream": True})
         results = [future.result(timeout=180) for future in normal]
         plain, (events, done) = failed_plain.result(timeout=180), failed_stream.result(timeout=180)
     for result, expected_text in zip(results, reference, strict=True):
         assert_completion(result)
         assert result["choices"][0]["text"] == expected_text
-    assert plain["choices"][0]["finish_reason"] == "error", plain
-    assert plain["usage"]["completion_tokens"] == 2, plain
-    assert done and events[-1]["choices"][0]["finish_reason"] == "error", events[-3:]
+    # The failed request is an error with the engine's reason, not a 200 with cut-off text:
+    # a 500, or (its first tokens already streamed) an error event before [DONE].
+    assert "failed in the engine: internal error: RuntimeError" in plain["message"], plain
+    assert "injected" not in plain["message"]  # the exception's text stays in the server log
+    assert done and events[-1]["error"] == plain, events[-3:]
+    assert all(event["choices"][0]["finish_reason"] is None for event in events[:-1]), events
     assert (
         h.metric(
             'pagedserve:request_success_total{finished_reason="error",'
@@ -351,8 +354,8 @@ def test_a_failing_forward_pass_fails_its_batch_and_the_engine_serves_on(h, monk
         return original(plan)
 
     monkeypatch.setattr(runner, "execute", execute_failing_once)
-    result = complete(h.url, prompt="Hello", max_tokens=8, ignore_eos=True)
-    assert result["choices"][0]["finish_reason"] == "error", result
+    error = _failed_completion(h.url, {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True})
+    assert "failed in the engine: internal error: RuntimeError" in error["message"], error
     monkeypatch.undo()
     assert h.engine.is_alive
     assert httpx.get(f"{h.url}/health", timeout=5).status_code == 200
@@ -391,6 +394,15 @@ def test_a_request_larger_than_the_whole_pool_is_rejected_up_front(h):
         f"{h.url}/v1/completions", timeout=30, json={"prompt": PROMPT_60_TOKENS, "max_tokens": 60}
     )
     assert_openai_error(response.status_code, response.text, {400})
+
+
+def _failed_completion(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The error body of a completion that must fail in the engine with a 500."""
+    response = httpx.post(f"{url}/v1/completions", json={"temperature": 0, **body}, timeout=120)
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["type"] == "server_error", error
+    return dict(error)
 
 
 def _stream_completion(url: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
