@@ -7,6 +7,7 @@ threads ("Already borrowed"), and one prompt takes well under a millisecond per 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,7 +107,7 @@ def chat_prompt(
     opened). With `tools`, the template's `tools` argument, or the fallback block if the
     template ignores it."""
     options = options or TemplateOptions()
-    _check_template_options(options)
+    _check_template_options(options, engine.tokenizer)
     try:
         renders_tools = bool(tools) and _renders_tools(engine.tokenizer, tools or [])
         conversation = template_messages(messages, tools or [], renders_tools)
@@ -123,42 +124,43 @@ def chat_prompt(
     except (ValueError, TemplateError) as exc:  # no template, or it rejects the conversation
         # (templates refuse e.g. a system role or turns that do not alternate by raising)
         raise invalid_request(f"Cannot apply the chat template: {exc}", "messages") from exc
+    except TypeError as exc:  # a variable the template cannot take (`messages` is caught above)
+        if not options.kwargs:
+            raise
+        raise invalid_request(
+            f"Cannot apply the chat template with these variables: {exc}", "chat_template_kwargs"
+        ) from exc
     token_ids = encode_text(engine, text, "messages", options.add_special_tokens)
     if not token_ids:
         raise invalid_request("The chat template rendered an empty prompt.", "messages")
     return Prompt(token_ids, text)
 
 
-# apply_chat_template's own parameters: a template variable of one of these names would change how
-# the template is applied (or what it returns), not what it renders.
-_TEMPLATE_CALL_PARAMETERS = frozenset(
-    [
-        "conversation",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "tools",
-        "documents",
-        "chat_template",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    ]
+# Names a template variable may not take: the arguments of apply_chat_template (read from the
+# tokenizer's own signature, so a newer transformers' are covered too) and the names transformers
+# renders the template with (`messages`...), which would change how the template is applied, or
+# fail as a duplicate keyword, rather than set a variable of it.
+_TEMPLATE_RENDER_NAMES = frozenset(
+    ["self", "kwargs", "conversation", "conversations", "messages", "tools", "documents"]
 )
 
 
-def _check_template_options(options: TemplateOptions) -> None:
+def _template_call_names(tokenizer: Any) -> frozenset[str]:
+    try:
+        parameters = inspect.signature(tokenizer.apply_chat_template).parameters
+    except (TypeError, ValueError):  # no signature to read
+        parameters = {}
+    return _TEMPLATE_RENDER_NAMES.union(parameters)
+
+
+def _check_template_options(options: TemplateOptions, tokenizer: Any) -> None:
     if options.continue_final_message and options.add_generation_prompt:
         raise invalid_request(
             "continue_final_message needs add_generation_prompt false: the last message is "
             "continued, no new turn is opened.",
             "continue_final_message",
         )
-    reserved = sorted(_TEMPLATE_CALL_PARAMETERS.intersection(options.kwargs))
+    reserved = sorted(_template_call_names(tokenizer).intersection(options.kwargs))
     if reserved:
         raise invalid_request(
             f"chat_template_kwargs may not set {', '.join(reserved)}: use the request's own "

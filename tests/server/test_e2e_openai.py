@@ -315,6 +315,15 @@ def test_chat_continues_a_prefilled_assistant_message(client, model, offline, se
     )
     assert prefill + continued.choices[0].message.content == output.text
     assert with_variables.choices[0].message.content == output.text  # SmolLM2's ignores it
+    for variables in ({"messages": []}, {"conversations": []}, {"sanitize_control_tokens": True}):
+        refused = httpx.post(
+            f"{server[0]}/v1/chat/completions",
+            json={"messages": CONVERSATIONS[0], "chat_template_kwargs": variables},
+            headers=AUTH,
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "chat_template_kwargs"
 
 
 # --- logprobs and seeds ---------------------------------------------------------------------------

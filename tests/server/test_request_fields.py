@@ -122,7 +122,15 @@ def test_chat_template_kwargs_reach_the_template(client, engine):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"tokenize": True}, {"tools": []}, {"add_generation_prompt": 0}]
+    "kwargs",
+    [
+        {"tokenize": True},
+        {"tools": []},
+        {"add_generation_prompt": 0},
+        {"messages": []},  # what transformers renders the template with
+        {"conversations": []},
+        {"self": 1},
+    ],
 )
 def test_chat_template_kwargs_may_not_set_how_the_template_is_applied(client, kwargs):
     response = client.post(
@@ -131,6 +139,20 @@ def test_chat_template_kwargs_may_not_set_how_the_template_is_applied(client, kw
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "chat_template_kwargs" and next(iter(kwargs)) in error["message"]
+
+
+def test_a_template_that_cannot_take_a_variable_is_a_400_naming_chat_template_kwargs(
+    client, engine, monkeypatch
+):
+    def template(conversation, add_generation_prompt, tokenize, enable_thinking):
+        raise AssertionError("not called: the variable's name is wrong")
+
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", template)
+    response = client.post(
+        "/v1/chat/completions", json={"messages": USER, "chat_template_kwargs": {"thinking": 1}}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_chat_template_kwargs_must_be_an_object(client):
