@@ -145,7 +145,10 @@ class Sampler:
             seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)))
             selected = logits[seen]
             penalty = params.repetition_penalty
-            logits[seen] = torch.where(selected > 0, selected / penalty, selected * penalty)
+            # A masked (-inf) logit stays -inf: a penalty below float32's range is 0 there,
+            # and -inf * 0 would be NaN, which sampling then picks.
+            scaled = torch.where(selected == float("-inf"), selected, selected * penalty)
+            logits[seen] = torch.where(selected > 0, selected / penalty, scaled)
         if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
             counts = torch.bincount(torch.tensor(row.output_token_ids), minlength=vocab_size)[
                 :vocab_size

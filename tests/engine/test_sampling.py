@@ -142,6 +142,17 @@ def test_logit_bias_shifts_the_chosen_token():
     assert Sampler().sample(torch.tensor([[5.0, 1.0, 0.0, -4.0]]), [_row(params)])[0].token_id == 3
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_vanishing_repetition_penalty_keeps_masked_tokens_out(temperature):
+    # A grammar's mask leaves -inf; the penalty multiplies seen tokens' negative logits, and a
+    # penalty that is 0 in float32 made -inf NaN, which sampling then picked.
+    logits = torch.tensor([[float("-inf"), 2.0, -1.0, float("-inf")]])
+    params = SamplingParams(temperature=temperature, repetition_penalty=1e-300)
+    for seed in range(20):
+        token = Sampler(seed=seed).sample(logits.clone(), [_row(params, prompt=(0, 1, 2, 3))])[0]
+        assert token.token_id in (1, 2)
+
+
 def test_banned_tokens_below_min_tokens_are_never_sampled():
     logits = torch.tensor([[0.0, 0.0, 50.0, 0.0]])  # EOS (2) is by far the best
     greedy = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8)
