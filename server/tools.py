@@ -75,10 +75,21 @@ def plan_tools(body: ChatCompletionRequest, server: ServerConfig) -> ToolPlan | 
             )
         return ToolPlan("auto", tools, server.tool_call_parser)
     if choice == "required":
+        # Each tool's parameters sit in $defs, their own "#..." references re-pointed there:
+        # resolved from the array's root, `#/$defs/Loc` or a recursive `#` would miss them.
         calls = {
+            "$defs": {
+                f"tool_{i}": _rooted_at(schema, f"#/$defs/tool_{i}")
+                for i, schema in enumerate(schemas.values())
+            },
             "type": "array",
             "minItems": 1,
-            "items": {"anyOf": [_call_schema(name, s) for name, s in schemas.items()]},
+            "items": {
+                "anyOf": [
+                    _call_schema(name, {"$ref": f"#/$defs/tool_{i}"})
+                    for i, name in enumerate(schemas)
+                ]
+            },
         }
         if not body.parallel_tool_calls:
             calls["maxItems"] = 1
@@ -100,6 +111,31 @@ def _parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
     # A call's arguments are an object: forced, a schema of ["object", "number"] (or of no type)
     # would let the model write a number, which no parser reads as a call.
     return {**schema, "type": "object"}
+
+
+# Keywords whose values are data, not schemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _rooted_at(schema: Any, pointer: str) -> Any:
+    """`schema` with each local reference ("#", "#/$defs/X", ...) re-pointed from the schema's
+    root to `pointer`, where the schema now sits inside a larger one."""
+    if isinstance(schema, list):
+        return [_rooted_at(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rooted = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            rooted[key] = pointer + value[1:]
+        elif key in _DATA_KEYWORDS:
+            rooted[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas (any names)
+            rooted[key] = {name: _rooted_at(sub, pointer) for name, sub in value.items()}
+        else:
+            rooted[key] = _rooted_at(value, pointer)
+    return rooted
 
 
 def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:

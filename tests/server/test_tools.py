@@ -78,6 +78,54 @@ def test_required_forces_a_list_of_calls_to_the_given_tools(client, engine: Fake
     assert "<tools>" in text and '"get_weather"' in text  # the fake template ignores tools
 
 
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+# Each resolves its references against its own root: `$defs` (as pydantic writes nested models),
+# `definitions`, and the root itself (a recursive tool).
+LOCATED = _tool(
+    "locate",
+    {
+        "type": "object",
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}}},
+        "properties": {"loc": {"$ref": "#/$defs/Loc"}},
+        "required": ["loc"],
+    },
+)
+TREE = _tool("tree", {"type": "object", "properties": {"child": {"$ref": "#"}}})
+COUNTED = _tool(
+    "count",
+    {
+        "type": "object",
+        "definitions": {"N": {"type": "integer"}},
+        "properties": {"n": {"$ref": "#/definitions/N"}, "$ref": {"enum": ["#"]}},
+    },
+)
+
+
+def test_required_resolves_each_tools_references_in_that_tools_schema(client, engine: FakeEngine):
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    response = _chat(client, tools=[LOCATED, TREE, COUNTED], tool_choice="required")
+    assert response.status_code == 200, response.text
+    [(_, _, params)] = engine.requests
+    grammar = Grammar.from_json_schema(params.structured_outputs.spec)
+
+    def accepts(name: str, arguments: object) -> bool:
+        return _is_grammar_accept_string(
+            grammar, json.dumps([{"name": name, "arguments": arguments}])
+        )
+
+    assert accepts("locate", {"loc": {"city": "Paris"}})
+    assert not accepts("locate", {"loc": "Paris"})
+    assert accepts("tree", {"child": {"child": {}}})
+    assert not accepts("tree", {"child": [{"name": "tree", "arguments": {}}]})  # the array's root
+    assert accepts("count", {"n": 3, "$ref": "#"})  # a property named $ref, an enum of "#"
+    assert not accepts("count", {"n": "3"})
+
+
 def test_named_tool_forces_its_arguments_schema_and_one_call(client, engine: FakeEngine):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     _chat(client, tools=[WEATHER, ADD], tool_choice=choice, parallel_tool_calls=False)
