@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
 from pagedserve.engine.outputs import RequestDelta, TokenLogprob
 from pagedserve.server.protocol import CompletionLogprobs, PromptLogprob, PromptLogprobs
+from pagedserve.server.token_bytes import token_bytes
 
 
 def prompt_logprobs_body(
@@ -39,7 +41,11 @@ class ChoiceText:
 
     With `echo`, the prompt's text (and, when logprobs are asked for, its tokens' logprobs) comes
     first, with the choice's first piece. `text_offset` counts characters from the start of the
-    choice's text: the prompt's tokens from 0, the generated ones from the end of the prompt.
+    choice's text: the prompt's tokens from 0, the generated ones from the end of the prompt. A
+    token's offset is where its first character starts, counted over the tokens' bytes (a token
+    that ends inside a character adds nothing until the one that completes it), so offsets never
+    go backwards and never pass the text, as counting each token's decoded text alone (U+FFFD
+    for half an emoji) did.
     """
 
     def __init__(
@@ -54,6 +60,7 @@ class ChoiceText:
         self.num_chars = len(prefix)
         self.prompt_token_ids = prompt_token_ids
         self.num_echo_top = num_echo_top  # None: no prompt logprobs in the legacy lists
+        self.generated_chars = _utf8_decoder()  # holds a character's bytes until it is whole
 
     def take(self, delta: RequestDelta) -> tuple[str, CompletionLogprobs | None]:
         """This delta's piece of text and logprobs (the pending echo first)."""
@@ -61,15 +68,17 @@ class ChoiceText:
         logprobs = None
         if self.num_echo_top is not None and delta.prompt_logprobs is not None:
             logprobs = CompletionLogprobs()
-            num_prompt_chars = 0
+            num_prompt_chars, prompt_chars = 0, _utf8_decoder()
             for token_id, entry in zip(self.prompt_token_ids, delta.prompt_logprobs, strict=True):
                 num_prompt_chars = self._append(
-                    logprobs, token_id, entry, num_prompt_chars, self.num_echo_top
+                    logprobs, token_id, entry, num_prompt_chars, prompt_chars, self.num_echo_top
                 )
         if delta.new_logprobs is not None:
             logprobs = logprobs or CompletionLogprobs()
             for entry in delta.new_logprobs:
-                self.num_chars = self._append(logprobs, entry.token_id, entry, self.num_chars, None)
+                self.num_chars = self._append(
+                    logprobs, entry.token_id, entry, self.num_chars, self.generated_chars, None
+                )
         return text, logprobs
 
     def _append(
@@ -78,16 +87,18 @@ class ChoiceText:
         token_id: int,
         entry: TokenLogprob | None,
         offset: int,
+        chars: codecs.IncrementalDecoder,
         num_top: int | None,
     ) -> int:
         """Add one token; returns the offset after it. `entry` None: the prompt's first token."""
         token = self.tokenizer.decode([token_id])
         logprobs.tokens.append(token)
         logprobs.text_offset.append(offset)
+        offset += len(chars.decode(token_bytes(self.tokenizer, token_id)))
         if entry is None:
             logprobs.token_logprobs.append(None)
             logprobs.top_logprobs.append(None)
-            return offset + len(token)
+            return offset
         alternatives = entry.top_logprobs if num_top is None else entry.top_logprobs[:num_top]
         top = {self.tokenizer.decode([token_id]): value for token_id, value in alternatives}
         # The chosen token is always listed, with its own value even when another token of
@@ -95,4 +106,8 @@ class ChoiceText:
         top[token] = entry.logprob
         logprobs.token_logprobs.append(entry.logprob)
         logprobs.top_logprobs.append(top)
-        return offset + len(token)
+        return offset
+
+
+def _utf8_decoder() -> codecs.IncrementalDecoder:
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")

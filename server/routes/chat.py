@@ -38,6 +38,7 @@ from pagedserve.server.recorder import RequestRecorder
 from pagedserve.server.request_fields import check_request_fields
 from pagedserve.server.streams import EventStreamResponse, sse_events
 from pagedserve.server.structured import to_structured_outputs
+from pagedserve.server.token_bytes import token_bytes
 from pagedserve.server.tool_parsers import ToolCallParser
 from pagedserve.server.tool_protocol import ToolCall
 from pagedserve.server.tools import ToolPlan, plan_tools, to_tool_calls, tool_call_deltas
@@ -60,7 +61,10 @@ def _chat_logprobs(
 
     def top(token_id: int, logprob: float) -> TopLogprob:
         token = tokenizer.decode([token_id])
-        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+        # The token's own bytes: half an emoji decodes to U+FFFD alone (server/token_bytes.py).
+        return TopLogprob(
+            token=token, logprob=logprob, bytes=list(token_bytes(tokenizer, token_id))
+        )
 
     content = []
     for entry in entries:

@@ -1,0 +1,47 @@
+"""A token's own bytes, for the logprobs fields that describe tokens byte by byte (the chat
+format's `bytes`, the legacy `text_offset`).
+
+Decoding one token alone turns a piece of a multi-byte character (half an emoji) into U+FFFD, whose
+three bytes say nothing about the token: OpenAI's `bytes` exists so that a client can join pieces
+like that back into the character. So a token that decodes to U+FFFD is read from the vocabulary
+instead: a byte-level BPE piece (GPT-2's printable spelling of each byte: SmolLM2, Llama 3, Qwen)
+or a SentencePiece byte-fallback piece (`<0xF0>`). Other tokens are their decoded text.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable character that spells each byte."""
+    # Bytes that are printable stand for themselves; the others (control characters, space,
+    # 0x7F-0xA0, 0xAD) are moved to 256 and up, in order (GPT-2's bytes_to_unicode).
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {byte: chr(byte) for byte in printable}
+    shifted = (byte for byte in range(256) if byte not in chars)
+    chars.update({byte: chr(256 + n) for n, byte in enumerate(shifted)})
+    return {char: byte for byte, char in chars.items()}
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes token `token_id` stands for (its decoded text where it decodes cleanly)."""
+    text = tokenizer.decode([token_id])
+    if REPLACEMENT not in text or not hasattr(tokenizer, "convert_ids_to_tokens"):
+        return text.encode()
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return text.encode()
+    fallback = _BYTE_FALLBACK.fullmatch(piece)
+    if fallback is not None:
+        return bytes([int(fallback.group(1), 16)])
+    byte_of_char = _byte_of_char()
+    if piece and all(char in byte_of_char for char in piece):
+        return bytes(byte_of_char[char] for char in piece)
+    return text.encode()
