@@ -146,8 +146,11 @@ def _http_error(request: Request, exc: StarletteHTTPException) -> APIError:
         )
     if exc.status_code == 413:
         return APIError(413, str(exc.detail), code="request_too_large")
-    if exc.status_code == 400:  # Starlette/FastAPI's body parser, e.g. invalid UTF-8
-        return invalid_request("The request body could not be parsed as UTF-8 JSON.")
+    if exc.status_code == 400:  # Starlette/FastAPI's body parser: invalid UTF-8, deep nesting
+        return invalid_request(
+            "The request body could not be parsed: it must be UTF-8 JSON, nested less than "
+            "about 1,000 levels deep."
+        )
     return APIError(exc.status_code, str(exc.detail), type="invalid_request_error")
 
 

@@ -115,6 +115,13 @@ class SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: Any, info: ValidationInfo) -> Any:
+        if options is not None and not info.data.get("stream"):  # as OpenAI and vLLM
+            raise ValueError("stream_options is only allowed when stream is true")
+        return options
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage

@@ -41,6 +41,19 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ["a"] * 9}, 400, "prompt"),  # the fake queues 8 at most
     ("/v1/completions", b'{"prompt": "hi", "model": "\\ud800"}', 404, "model"),  # lone surrogate
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": USER, "stream": False, "stream_options": {}},
+        400,
+        "stream_options",
+    ),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
     ("/v1/completions", {"prompt": "hi", "priority": "high"}, 400, "priority"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
