@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pagedserve.engine.outputs import RequestDelta
 from pagedserve.server.metrics import ServerMetrics
-from pagedserve.server.protocol import UsageInfo
+from pagedserve.server.protocol import PromptTokensDetails, UsageInfo
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class RequestRecorder:
             for prompt_idx in range(len(prompt_lengths))
             for index in range(n)
         }
+        self.num_cached_prompt_tokens = [0] * len(prompt_lengths)  # per prompt, from the engine
         self.is_closed = False
 
     def observe(self, prompt_idx: int, delta: RequestDelta) -> None:
@@ -60,6 +61,8 @@ class RequestRecorder:
             choice.last_token_time = now
         choice.num_output_tokens = delta.num_output_tokens
         if delta.finished:
+            cached = self.num_cached_prompt_tokens
+            cached[prompt_idx] = max(cached[prompt_idx], delta.num_cached_prompt_tokens)
             self._finish(prompt_idx, choice, delta.finish_reason or "stop", now)
         if delta.timings is not None:
             self.metrics.observe_timings(delta.timings)
@@ -81,6 +84,9 @@ class RequestRecorder:
             prompt_tokens=num_prompt_tokens,
             completion_tokens=num_completion_tokens,
             total_tokens=num_prompt_tokens + num_completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(self.num_cached_prompt_tokens)
+            ),
         )
 
     def close(self, unfinished_reason: str | None) -> None:

@@ -80,6 +80,7 @@ class FakeEngine:
         self.priorities: dict[str, int] = {}
         self.in_flight = 0
         self.script = ""  # when set, every choice writes this text (ASCII) instead of letters
+        self.num_cached_prompt_tokens = 0  # what each prompt's final deltas report
 
     async def start(self) -> None:
         self.started = True
@@ -192,6 +193,7 @@ class FakeEngine:
                         step + 1,
                         reason is not None,
                         reason,
+                        num_cached_prompt_tokens=self.num_cached_prompt_tokens if reason else 0,
                         timings=timings,
                         prompt_logprobs=prompt_logprobs if step == 0 else None,
                     )

@@ -326,6 +326,17 @@ def test_chat_continues_a_prefilled_assistant_message(client, model, offline, se
         assert refused.json()["error"]["param"] == "chat_template_kwargs"
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client, model):
+    prompt = "A prefix cache test: " + " ".join(f"item {i}," for i in range(20))
+    first, second = (
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+        for _ in range(2)
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens and cached % 16 == 0  # whole blocks
+
+
 # --- logprobs and seeds ---------------------------------------------------------------------------
 
 

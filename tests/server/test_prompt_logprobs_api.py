@@ -28,7 +28,12 @@ def test_echo_with_logprobs_lists_the_prompt_tokens_first(client, engine):
     }
     assert "prompt_logprobs" not in choice  # vLLM's field only when asked for
     assert engine.requests[0][2].prompt_logprobs == 1
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 2,
+        "total_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 @pytest.mark.parametrize(
@@ -53,6 +58,7 @@ def test_max_tokens_zero_with_echo_returns_only_the_prompt(client, engine, promp
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": 0,
         "total_tokens": num_prompt_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert all(params.max_tokens == 0 for _, _, params in engine.requests)
 

@@ -17,7 +17,12 @@ def test_completion_returns_choices_usage_and_openai_fields(client):
         (0, "abc", "length"),
         (1, "bcd", "length"),
     ]
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 6,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_completion_defaults_to_16_tokens_and_stops_at_eos(client, engine):
@@ -93,6 +98,13 @@ def test_completion_passes_sampling_fields_to_the_engine(client, engine):
     assert params.stop == ("x",) and params.stop_token_ids == (1,)
     assert params.logit_bias == {5: 1.0} and params.min_tokens == 1
     assert params.include_stop_str_in_output and params.repetition_penalty == 1.1
+
+
+def test_usage_counts_each_prompts_cached_tokens_once(client, engine):
+    engine.num_cached_prompt_tokens = 1  # on each choice's final delta
+    body = client.post("/v1/completions", json={"prompt": ["hi", "yo"], "n": 2}).json()
+    assert len(body["choices"]) == 4
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
 
 
 def test_null_optional_fields_mean_their_defaults_like_openai(client):

@@ -52,7 +52,12 @@ def test_completion_stream_with_usage_ends_with_a_usage_chunk(client):
     )
     assert all(chunk["usage"] is None for chunk in chunks[:-1])
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 2,
+        "total_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_completion_stream_logprobs_offsets_continue_across_chunks(client):
