@@ -98,6 +98,7 @@ class SamplingParams:
     # per position; None computes none. The whole prompt then runs: a cached prefix has no logits.
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # leave special tokens (<|im_end|>...) out of the text
     structured_outputs: StructuredOutputs | None = None  # constrained decoding (None: free)
 
     def __post_init__(self) -> None:

@@ -20,11 +20,13 @@ class IncrementalDetokenizer:
         *,
         min_tokens: int = 0,
         stop_token_ids: frozenset[int] = frozenset(),
+        skip_special_tokens: bool = True,
     ) -> None:
         """`stop_token_ids`: the tokens that end the output once `min_tokens` are out (EOS unless
         ignored, the request's stop_token_ids); their text is left out, as a stop string's is,
         unless `include_stop_str_in_output`. Stop strings count only from the token after the
-        first `min_tokens` (vLLM's rule), as EOS and stop tokens are banned until then."""
+        first `min_tokens` (vLLM's rule), as EOS and stop tokens are banned until then.
+        `skip_special_tokens` false keeps special tokens' text (a template's tags)."""
         self.tokenizer = tokenizer
         context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
         self._token_ids = list(context)
@@ -35,6 +37,7 @@ class IncrementalDetokenizer:
         self._min_tokens = min_tokens
         self._stop_token_ids = stop_token_ids
         self._num_output_tokens = 0
+        self._skip_special_tokens = skip_special_tokens
         self._hold = (
             max((len(s) for s in stop), default=1) - 1
         )  # chars that may start a stop string
@@ -42,7 +45,7 @@ class IncrementalDetokenizer:
         self.text = ""  # everything emitted so far
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     def _decode_new(self) -> str:
         prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])

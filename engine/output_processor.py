@@ -103,6 +103,7 @@ class OutputProcessor:
                 params.include_stop_str_in_output,
                 min_tokens=params.min_tokens,
                 stop_token_ids=frozenset((*eos, *params.stop_token_ids)),
+                skip_special_tokens=params.skip_special_tokens,
             )
             matcher = matchers[index] if matchers else None
             choice = ChoiceState(index, sequence, detokenizer, generator, group, matcher)

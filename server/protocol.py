@@ -106,6 +106,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     priority: int = 0  # with --scheduling-policy priority: lower is served first (as vLLM)
     # Output constraints: OpenAI's, vLLM's, and vLLM's older guided_* (server/structured.py)
     response_format: ResponseFormat | None = None
@@ -155,6 +156,7 @@ class SamplingFields(_Request):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             logit_bias=logit_bias,
             logprobs=logprobs,
             structured_outputs=structured_outputs,

@@ -3,10 +3,10 @@ logged where they would not.
 
 A request model keeps the keys it does not declare (`extra="allow"`, server/protocol.py). Among
 them, parameters that vLLM (or OpenAI) implements and pagedserve does not are a 400 naming the
-field as soon as they ask for something (beam search, a vocabulary restriction, special tokens
-kept in the text...): answering 200 with ordinary sampling would let the client believe it got
-what it asked for. Sent with their "do nothing" value (`use_beam_search: false`,
-`skip_special_tokens: true`, null) they are accepted, so clients that always send them work.
+field as soon as they ask for something (beam search, a vocabulary restriction, a prompt
+truncated...): answering 200 with ordinary sampling would let the client believe it got what it
+asked for. Sent with their "do nothing" value (`use_beam_search: false`, `length_penalty: 1`,
+null) they are accepted, so clients that always send them work.
 Any other unknown key is ignored, as vLLM does, and logged once per request, so a misspelt
 parameter shows up in the server log rather than nowhere.
 """
@@ -28,7 +28,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1, 1.0),
     "allowed_token_ids": ([],),
     "bad_words": ([],),
-    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),
     "logits_processors": ([],),

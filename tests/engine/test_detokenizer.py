@@ -161,3 +161,15 @@ def test_a_stop_token_id_mid_output_is_text_like_any_other():
     # one token at a time, so this cannot happen there) keeps its text.
     detokenizer = IncrementalDetokenizer(PieceTokenizer(), [6], stop_token_ids=frozenset({6}))
     assert detokenizer.add([6, 1])[0] + detokenizer.flush()[0] == "!x"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_stay_in_the_text_when_not_skipped(default_tokenizer, skip):
+    (end,) = default_tokenizer.encode("<|im_end|>")  # one special token
+    token_ids = [*default_tokenizer.encode("Hi"), end, *default_tokenizer.encode(" there")]
+    detokenizer = IncrementalDetokenizer(
+        default_tokenizer, default_tokenizer.encode(PROMPT), skip_special_tokens=skip
+    )
+    text = "".join(detokenizer.add([token_id])[0] for token_id in token_ids)
+    text += detokenizer.flush()[0]
+    assert text == ("Hi there" if skip else "Hi<|im_end|> there")

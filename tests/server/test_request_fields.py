@@ -18,8 +18,7 @@ ASKING = [
     ("length_penalty", 2.0),
     ("allowed_token_ids", [1, 2]),
     ("bad_words", ["x"]),
-    ("skip_special_tokens", False),
-    ("skip_special_tokens", 1),  # not `true`: a number asks for something unknown
+    ("spaces_between_special_tokens", 0),  # not `true`: a number asks for something unknown
     ("spaces_between_special_tokens", False),
     ("truncate_prompt_tokens", 5),
     ("return_token_ids", True),
@@ -62,7 +61,6 @@ def test_unsupported_fields_sent_with_their_neutral_value_are_accepted(client, r
         "length_penalty": 1.0,
         "allowed_token_ids": [],
         "bad_words": None,
-        "skip_special_tokens": True,
         "spaces_between_special_tokens": True,
         "truncate_prompt_tokens": None,
         "return_token_ids": False,

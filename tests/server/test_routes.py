@@ -81,6 +81,7 @@ def test_completion_passes_sampling_fields_to_the_engine(client, engine):
             "repetition_penalty": 1.1,
             "min_tokens": 1,
             "include_stop_str_in_output": True,
+            "skip_special_tokens": False,
             "presence_penalty": 0.5,
             "frequency_penalty": -0.5,
             "user": "u",
@@ -98,6 +99,7 @@ def test_completion_passes_sampling_fields_to_the_engine(client, engine):
     assert params.stop == ("x",) and params.stop_token_ids == (1,)
     assert params.logit_bias == {5: 1.0} and params.min_tokens == 1
     assert params.include_stop_str_in_output and params.repetition_penalty == 1.1
+    assert not params.skip_special_tokens
 
 
 def test_usage_counts_each_prompts_cached_tokens_once(client, engine):
