@@ -86,6 +86,12 @@ class ModelConfig(_Section):
         None, ge=1, description="max prompt + output tokens (default: min(model limit, 4096))"
     )
     trust_remote_code: bool = Field(False, description="allow model code from the model folder")
+    generation_config: Literal["auto", "vllm"] = Field(
+        "auto",
+        description="sampling defaults for fields a request omits: auto, the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM "
+        "does; vllm, the API's own defaults",
+    )
     seed: int = Field(0, ge=0, description="global seed for unseeded sampling")
 
 

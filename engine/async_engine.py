@@ -64,6 +64,7 @@ class AsyncEngine:
     max_model_len = _engine_attribute("max_model_len")
     vocab_size = _engine_attribute("vocab_size")
     tokenizer = _engine_attribute("tokenizer")
+    sampling_defaults = _engine_attribute("sampling_defaults")
 
     @property
     def max_waiting_requests(self) -> int:
@@ -110,8 +111,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestDelta]:
         if not self.is_alive or self._stopping.is_set():
             raise EngineDeadError(self._dead_reason or "the engine is not running")
-        # Every check, once, here: raises before anything is queued, and the engine thread only
-        # queues what passed.
+        # Every check once, here: raises before anything is queued (the thread queues what passed).
         validated = self._engine.validate_request(
             request_id, prompt_token_ids, params, time.monotonic(), priority
         )

@@ -16,6 +16,7 @@ class EngineClient(Protocol):
     vocab_size: int
     max_waiting_requests: int  # engine requests (prompts) in flight at once; more get a 429
     tokenizer: Any  # a transformers tokenizer: encode/decode/apply_chat_template
+    sampling_defaults: dict[str, float | int]  # the model's, for fields a request leaves out
 
     @property
     def is_alive(self) -> bool: ...

@@ -32,15 +32,20 @@ class LLM:
         self._ids = itertools.count()
         freeze_startup_objects()  # out of the collector's full passes (engine/heap.py)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults (its generation config's; vLLM's method of this name)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, all submitted together; outputs in prompt order."""
+        """Run every prompt to completion, all submitted together; outputs in prompt order.
+        Without `sampling_params`, the model's sampling defaults (as vLLM's `LLM`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params_list = _broadcast(sampling_params or SamplingParams(), len(prompts))
+        params_list = _broadcast(sampling_params or self.default_sampling_params(), len(prompts))
         outputs: dict[str, RequestOutput] = {}
         for prompt, params in zip(prompts, params_list, strict=True):
             request_id = str(next(self._ids))

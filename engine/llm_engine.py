@@ -8,6 +8,7 @@ prompt, the others fork its blocks (see the scheduler) and are reported under th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections import deque
@@ -30,6 +31,7 @@ from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats, RequestDelta
 from pagedserve.engine.rejection_sampler import RejectionSampler
 from pagedserve.engine.sampler import SampledBatch, Sampler, SamplingRow, takes_only_argmax
+from pagedserve.engine.sampling_defaults import model_sampling_defaults
 from pagedserve.engine.structured_outputs import Matcher, StructuredOutputManager
 from pagedserve.scheduler import (
     Request,
@@ -94,6 +96,11 @@ class LLMEngine:
         self.num_steps = 0
         self.last_plan: SchedulerOutput | None = None  # the last non-empty step's, for its state
         self.step_token_counts: deque[int] = deque(maxlen=100_000)
+
+    @functools.cached_property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The model's defaults for the sampling fields a request leaves out (vLLM's)."""
+        return model_sampling_defaults(self.runner.model, self.config.model)
 
     # ---- requests in -----------------------------------------------------------------------
 

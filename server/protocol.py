@@ -134,9 +134,12 @@ class SamplingFields(_Request):
         logit_bias: dict[int, float],
         structured_outputs: StructuredOutputs | None = None,
         prompt_logprobs: int | None = None,
+        defaults: dict[str, float | int] | None = None,
     ) -> SamplingParams:
-        """Raises SamplingParamsError (naming the field) for out-of-range values."""
-        optional = {
+        """Raises SamplingParamsError (naming the field) for out-of-range values. A field the
+        request leaves out takes `defaults` (the model's, engine/sampling_defaults.py), else
+        SamplingParams' own."""
+        requested = {
             "n": self.n,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -146,6 +149,7 @@ class SamplingFields(_Request):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
+        optional = {**(defaults or {}), **{k: v for k, v in requested.items() if v is not None}}
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
             **{name: value for name, value in optional.items() if value is not None},

@@ -105,6 +105,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         parse_logit_bias(body.logit_bias, engine.vocab_size),
         _constraint(body, plan),
         prompt_logprobs=body.prompt_logprobs,
+        defaults=engine.sampling_defaults,
     )
     recorder = RequestRecorder(
         request.app.state.metrics,

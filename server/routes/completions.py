@@ -86,6 +86,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                 logit_bias,
                 structured_outputs,
                 prompt_logprobs=_engine_prompt_logprobs(body),
+                defaults=engine.sampling_defaults,
             ),
             body.priority,
         )

@@ -81,6 +81,7 @@ class FakeEngine:
         self.in_flight = 0
         self.script = ""  # when set, every choice writes this text (ASCII) instead of letters
         self.num_cached_prompt_tokens = 0  # what each prompt's final deltas report
+        self.sampling_defaults: dict[str, float | int] = {}  # the model's generation config's
 
     async def start(self) -> None:
         self.started = True

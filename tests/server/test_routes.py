@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from jinja2 import TemplateError
+
+USER_MESSAGE = {"role": "user", "content": "hi"}
 
 
 def test_completion_returns_choices_usage_and_openai_fields(client):
@@ -100,6 +103,18 @@ def test_completion_passes_sampling_fields_to_the_engine(client, engine):
     assert params.logit_bias == {5: 1.0} and params.min_tokens == 1
     assert params.include_stop_str_in_output and params.repetition_penalty == 1.1
     assert not params.skip_special_tokens
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_the_models_sampling_defaults_fill_the_fields_a_request_leaves_out(client, engine, route):
+    engine.sampling_defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    body = {"prompt": "hi"} if route == "/v1/completions" else {"messages": [USER_MESSAGE]}
+    client.post(route, json={**body, "max_tokens": 1})
+    client.post(route, json={**body, "max_tokens": 1, "temperature": 1.0, "top_k": None})
+    (_, _, implicit), (_, _, explicit) = engine.requests
+    assert (implicit.temperature, implicit.top_p, implicit.top_k) == (0.6, 0.95, 20)
+    assert (explicit.temperature, explicit.top_p, explicit.top_k) == (1.0, 0.95, 20)
+    assert implicit.repetition_penalty == 1.0  # the model sets none: the API's default
 
 
 def test_usage_counts_each_prompts_cached_tokens_once(client, engine):

@@ -1,0 +1,23 @@
+"""The sampling defaults a model ships (its generation_config.json), for the fields a request
+leaves out: what vLLM applies under its default `--generation-config auto`. Qwen3, for one, ships
+temperature 0.6, top_p 0.95 and top_k 20; without these, the same request would sample at 1.0
+here and at 0.6 on vLLM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.configs.engine import ModelConfig
+
+# The generation_config fields that are sampling parameters (SamplingParams' names).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(model: Any, config: ModelConfig) -> dict[str, float | int]:
+    """The model's sampling defaults (only those its generation config sets, as transformers'
+    `to_diff_dict` tells them from its own defaults); none under `--generation-config vllm`."""
+    generation_config = getattr(model, "generation_config", None)
+    if config.generation_config == "vllm" or generation_config is None:
+        return {}
+    written = generation_config.to_diff_dict()
+    return {name: written[name] for name in SAMPLING_FIELDS if written.get(name) is not None}
