@@ -24,7 +24,8 @@ UNGUARDED_PATHS = frozenset({"/health", "/version", "/metrics", *DASHBOARD_FILES
 
 class RequestContextMiddleware:
     """Gives each request an id (`request.state.request_id`, echoed as `x-request-id`) and its
-    arrival time (`request.state.arrival_time`, monotonic), from which latency metrics count."""
+    arrival time: `request.state.arrival_time` (monotonic), from which latency metrics count, and
+    `request.state.created` (Unix seconds), a response's `created`."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -36,6 +37,7 @@ class RequestContextMiddleware:
         request_id = uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["request_id"], state["arrival_time"] = request_id, time.monotonic()
+        state["created"] = int(time.time())
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -119,7 +118,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     header = {
         "id": f"chatcmpl-{recorder.request_id}",
-        "created": int(time.time()),
+        "created": request.state.created,  # arrival, not the first token
         "model": engine.model_name,
     }
     choices = [_Choice(plan.new_parser() if plan else None) for _ in range(params.n)]

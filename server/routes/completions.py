@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -103,7 +102,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     stream = await start_generation(request, inputs, recorder)
     header = {
         "id": f"cmpl-{recorder.request_id}",
-        "created": int(time.time()),
+        "created": request.state.created,  # arrival, not the first token
         "model": engine.model_name,
     }
     num_echo_top = body.logprobs if body.echo else None

@@ -73,6 +73,7 @@ class FakeEngine:
         self.closed_early: list[str] = []
         self.raise_on_generate: Exception | None = None
         self.hang_after_first_delta = False  # simulates a long decode
+        self.first_delta_delay_s = 0.0  # simulates a queue and a prefill before the first token
         self.fail_after_first_delta: Exception | None = None
         self.started = self.shut_down = False
         # As AsyncEngine: a priority needs the priority policy; in-flight requests are capped.
@@ -141,6 +142,7 @@ class FakeEngine:
             else fake_prompt_logprobs(prompt_token_ids, params.prompt_logprobs)
         )
         try:
+            await asyncio.sleep(self.first_delta_delay_s)
             if params.max_tokens == 0:
                 for choice in range(params.n):
                     finished.add(choice)

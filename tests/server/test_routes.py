@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from jinja2 import TemplateError
@@ -115,6 +116,15 @@ def test_the_models_sampling_defaults_fill_the_fields_a_request_leaves_out(clien
     assert (implicit.temperature, implicit.top_p, implicit.top_k) == (0.6, 0.95, 20)
     assert (explicit.temperature, explicit.top_p, explicit.top_k) == (1.0, 0.95, 20)
     assert implicit.repetition_penalty == 1.0  # the model sets none: the API's default
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_created_is_when_the_request_arrived_not_its_first_token(client, engine, route):
+    engine.first_delta_delay_s = 2.1  # a first token more than two seconds after arrival
+    body = {"prompt": "hi"} if route == "/v1/completions" else {"messages": [USER_MESSAGE]}
+    sent = time.time()
+    response = client.post(route, json={**body, "max_tokens": 2})
+    assert response.json()["created"] <= int(sent) + 1  # at most a second boundary later
 
 
 def test_usage_counts_each_prompts_cached_tokens_once(client, engine):
