@@ -90,6 +90,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (None: any)
     ignore_eos: bool = False
     logprobs: int | None = (
         None  # number of top alternatives to return per token (0 = only the chosen)
@@ -192,6 +193,15 @@ class SamplingParams:
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             "stop_token_ids must be token ids >= 0",
+        )
+        _check(
+            self.allowed_token_ids is None
+            or (
+                len(self.allowed_token_ids) > 0
+                and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)
+            ),
+            "allowed_token_ids",
+            "allowed_token_ids must be a non-empty list of token ids >= 0",
         )
         _check(
             self.logprobs is None

@@ -74,6 +74,10 @@ class RequestValidator:
         # They index the logits (banned while min_tokens is unmet): out of range would fail a step.
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be < {vocab_size}", "stop_token_ids")
+        if any(t >= vocab_size for t in params.allowed_token_ids or ()):
+            raise InvalidRequestError(
+                f"allowed_token_ids must be < {vocab_size}", "allowed_token_ids"
+            )
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
         if num_prompt_tokens + max_tokens > self.max_model_len:

@@ -41,6 +41,7 @@ class SamplingRow:
             and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0
             and not params.logit_bias
+            and params.allowed_token_ids is None
             and not self.banned_token_ids
             and params.logprobs is None
         )
@@ -138,6 +139,11 @@ class Sampler:
     def _apply_penalties(logits: Tensor, row: SamplingRow) -> Tensor:
         params = row.params
         vocab_size = logits.shape[0]
+        if params.allowed_token_ids is not None:  # every other token out, before anything else
+            allowed = torch.tensor(params.allowed_token_ids)
+            kept = logits[allowed]
+            logits.fill_(float("-inf"))
+            logits[allowed] = kept
         if params.logit_bias:
             ids = [i for i in params.logit_bias if i < vocab_size]
             logits[ids] += torch.tensor([params.logit_bias[i] for i in ids], dtype=logits.dtype)

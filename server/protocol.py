@@ -105,6 +105,7 @@ class SamplingFields(_Request):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # with --scheduling-policy priority: lower is served first (as vLLM)
@@ -158,6 +159,9 @@ class SamplingFields(_Request):
             seed=self.seed,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
+            allowed_token_ids=None
+            if self.allowed_token_ids is None
+            else tuple(self.allowed_token_ids),
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,

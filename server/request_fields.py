@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "allowed_token_ids": ([],),
     "bad_words": ([],),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),

@@ -208,6 +208,8 @@ def test_cache_config_rejects_unparseable_memory_budget():
         ("stop", ("",)),
         ("stop", tuple(str(i) for i in range(17))),
         ("stop_token_ids", (-1,)),
+        ("allowed_token_ids", ()),
+        ("allowed_token_ids", (3, -1)),
     ],
 )
 def test_sampling_params_reject_bad_values_naming_the_field(param: str, value: object):

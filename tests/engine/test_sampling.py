@@ -153,6 +153,16 @@ def test_a_vanishing_repetition_penalty_keeps_masked_tokens_out(temperature):
         assert token.token_id in (1, 2)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_only_allowed_token_ids_are_sampled(temperature):
+    logits = torch.tensor([[9.0, 1.0, 8.0, 0.5, 7.0]])  # the allowed ones are not the best
+    params = SamplingParams(temperature=temperature, allowed_token_ids=(1, 3), logprobs=2)
+    sampled = {Sampler(seed=s).sample(logits.clone(), [_row(params)])[0] for s in range(30)}
+    assert {result.token_id for result in sampled} <= {1, 3}
+    if temperature == 0.0:
+        assert {result.token_id for result in sampled} == {1}
+
+
 def test_banned_tokens_below_min_tokens_are_never_sampled():
     logits = torch.tensor([[0.0, 0.0, 50.0, 0.0]])  # EOS (2) is by far the best
     greedy = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8)
@@ -277,6 +287,17 @@ def test_min_tokens_bans_eos_until_reached(tiny_loaded):
     assert run.token_ids["r"][:5].count(EOS) == 0
     assert run.token_ids["r"][5] == EOS and len(run.token_ids["r"]) == 6
     assert run.finish_reasons["r"] == "stop"
+
+
+def test_allowed_token_ids_hold_for_every_token_of_a_request(tiny_loaded):
+    allowed = (11, 29, 301)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, allowed_token_ids=allowed)
+    engine = make_engine(tiny_loaded, block_size=4)
+    engine.add_request("r", [5, 6, 7], params)
+    engine.add_request("free", [5, 6, 7], SamplingParams(temperature=1.0, seed=3, max_tokens=12))
+    run = run_to_completion(engine)
+    assert len(run.token_ids["r"]) == 12 and set(run.token_ids["r"]) <= set(allowed)
+    assert not set(run.token_ids["free"]) <= set(allowed)  # the other row was not restricted
 
 
 @pytest.mark.parametrize("include_stop", [False, True])

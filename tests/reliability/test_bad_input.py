@@ -363,6 +363,17 @@ CASES: list[Case] = [
         completion(stop_token_ids=[VOCAB_SIZE], min_tokens=1),
         param="stop_token_ids",
     ),
+    Case(
+        "allowed_token_id_out_of_vocab",
+        COMPLETIONS,
+        completion(allowed_token_ids=[5, VOCAB_SIZE]),
+        param="allowed_token_ids",
+    ),
+    Case("allowed_token_ids_empty", CHAT, chat(allowed_token_ids=[]), param="allowed_token_ids"),
+    Case(
+        "allowed_token_id_negative", CHAT, chat(allowed_token_ids=[-1]), param="allowed_token_ids"
+    ),
+    Case("allowed_token_ids_string", CHAT, chat(allowed_token_ids="5"), param="allowed_token_ids"),
     Case("detokenize_id_out_of_vocab", DETOKENIZE, j(tokens=[10**9]), param="tokens"),
     Case("detokenize_id_negative", DETOKENIZE, j(tokens=[-5]), param="tokens"),
     Case("detokenize_tokens_string", DETOKENIZE, j(tokens="abc"), param="tokens"),

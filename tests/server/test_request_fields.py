@@ -16,7 +16,6 @@ ROUTES = {
 ASKING = [
     ("use_beam_search", True),
     ("length_penalty", 2.0),
-    ("allowed_token_ids", [1, 2]),
     ("bad_words", ["x"]),
     ("spaces_between_special_tokens", 0),  # not `true`: a number asks for something unknown
     ("spaces_between_special_tokens", False),
@@ -59,7 +58,6 @@ def test_unsupported_fields_sent_with_their_neutral_value_are_accepted(client, r
     neutral = {
         "use_beam_search": False,
         "length_penalty": 1.0,
-        "allowed_token_ids": [],
         "bad_words": None,
         "spaces_between_special_tokens": True,
         "truncate_prompt_tokens": None,

@@ -86,6 +86,7 @@ def test_completion_passes_sampling_fields_to_the_engine(client, engine):
             "min_tokens": 1,
             "include_stop_str_in_output": True,
             "skip_special_tokens": False,
+            "allowed_token_ids": [97, 98],
             "presence_penalty": 0.5,
             "frequency_penalty": -0.5,
             "user": "u",
@@ -103,7 +104,7 @@ def test_completion_passes_sampling_fields_to_the_engine(client, engine):
     assert params.stop == ("x",) and params.stop_token_ids == (1,)
     assert params.logit_bias == {5: 1.0} and params.min_tokens == 1
     assert params.include_stop_str_in_output and params.repetition_penalty == 1.1
-    assert not params.skip_special_tokens
+    assert not params.skip_special_tokens and params.allowed_token_ids == (97, 98)
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
