@@ -106,6 +106,8 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the model's context length)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # with --scheduling-policy priority: lower is served first (as vLLM)

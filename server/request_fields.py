@@ -3,8 +3,8 @@ logged where they would not.
 
 A request model keeps the keys it does not declare (`extra="allow"`, server/protocol.py). Among
 them, parameters that vLLM (or OpenAI) implements and pagedserve does not are a 400 naming the
-field as soon as they ask for something (beam search, a vocabulary restriction, a prompt
-truncated...): answering 200 with ordinary sampling would let the client believe it got what it
+field as soon as they ask for something (beam search, words banned, special tokens spaced
+out...): answering 200 with ordinary sampling would let the client believe it got what it
 asked for. Sent with their "do nothing" value (`use_beam_search: false`, `length_penalty: 1`,
 null) they are accepted, so clients that always send them work.
 Any other unknown key is ignored, as vLLM does, and logged once per request, so a misspelt
@@ -28,7 +28,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1, 1.0),
     "bad_words": ([],),
     "spaces_between_special_tokens": (True,),
-    "truncate_prompt_tokens": (),
     "logits_processors": ([],),
     "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,),

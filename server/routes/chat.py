@@ -20,6 +20,7 @@ from pagedserve.server.prompts import (
     check_model,
     parse_logit_bias,
     resolve_max_tokens,
+    truncated,
 )
 from pagedserve.server.protocol import (
     ChatChoice,
@@ -85,7 +86,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body.chat_template_kwargs or {},
         body.add_special_tokens,
     )
-    prompt = chat_prompt(body.messages, engine, plan.tools if plan else None, template)
+    prompt = truncated(
+        chat_prompt(body.messages, engine, plan.tools if plan else None, template),
+        body.truncate_prompt_tokens,
+        engine,
+    )
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )

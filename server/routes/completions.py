@@ -17,6 +17,7 @@ from pagedserve.server.prompts import (
     completion_prompts,
     parse_logit_bias,
     resolve_max_tokens,
+    truncated,
 )
 from pagedserve.server.protocol import (
     CompletionChoice,
@@ -67,7 +68,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
     _check_supported(body)
-    prompts = completion_prompts(body.prompt, engine, body.add_special_tokens)
+    prompts = [
+        truncated(prompt, body.truncate_prompt_tokens, engine)
+        for prompt in completion_prompts(body.prompt, engine, body.add_special_tokens)
+    ]
     logit_bias = parse_logit_bias(body.logit_bias, engine.vocab_size)
     structured_outputs = to_structured_outputs(body)
     inputs = [

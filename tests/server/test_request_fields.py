@@ -19,7 +19,6 @@ ASKING = [
     ("bad_words", ["x"]),
     ("spaces_between_special_tokens", 0),  # not `true`: a number asks for something unknown
     ("spaces_between_special_tokens", False),
-    ("truncate_prompt_tokens", 5),
     ("return_token_ids", True),
     ("cache_salt", "tenant-a"),
     ("guided_whitespace_pattern", " "),
@@ -188,3 +187,23 @@ def test_chat_adds_no_special_tokens_unless_told(client, engine, bos_tokenizer):
         "/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "add_special_tokens": True}
     )
     assert [request[1][0] for request in engine.requests] == [ord("<"), BOS]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, engine):
+    body = {"prompt": "hello world", "max_tokens": 1, "echo": True}
+    cut = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 5}).json()
+    whole = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": -1}).json()
+    assert [bytes(request[1]) for request in engine.requests] == [b"world", b"hello world"]
+    assert cut["choices"][0]["text"] == "worlda" and cut["usage"]["prompt_tokens"] == 5
+    assert whole["choices"][0]["text"] == "hello worlda"
+    client.post("/v1/chat/completions", json={"messages": USER, "truncate_prompt_tokens": 4})
+    assert bytes(engine.requests[-1][1]) == b"\n<assistant>"[-4:]
+
+
+@pytest.mark.parametrize("value", [0, -2, "5"])
+def test_a_bad_truncate_prompt_tokens_is_a_400(client, value):
+    response = client.post(
+        "/v1/completions", json={"prompt": "hi", "truncate_prompt_tokens": value}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "truncate_prompt_tokens"
