@@ -176,7 +176,7 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's cap is 5, vLLM's 20
     echo: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension
     suffix: str | None = None

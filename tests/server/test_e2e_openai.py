@@ -342,8 +342,8 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client, model):
 
 def test_completion_logprobs_are_legacy_lists_with_top_logprobs(client, model):
     response = client.completions.create(
-        model=model, prompt=COMPLETION_PROMPTS[0], max_tokens=6, temperature=0, logprobs=3
-    )
+        model=model, prompt=COMPLETION_PROMPTS[0], max_tokens=6, temperature=0, logprobs=12
+    )  # above OpenAI's 5, as vLLM allows
     choice = response.choices[0]
     logprobs = choice.logprobs
     num_tokens = response.usage.completion_tokens
@@ -357,7 +357,7 @@ def test_completion_logprobs_are_legacy_lists_with_top_logprobs(client, model):
     for token, logprob, top in zip(
         logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
     ):
-        assert logprob <= 0 and 3 <= len(top) <= 4
+        assert logprob <= 0 and 10 <= len(top) <= 13  # alternatives that decode alike merge
         assert top[token] == pytest.approx(logprob)
         assert logprob == pytest.approx(max(top.values()))  # greedy picks the best token
 
@@ -553,7 +553,15 @@ BAD_REQUESTS = [
     ),
     ("empty_prompt", COMPLETIONS, {"prompt": ""}, AUTH, 400, "prompt", None),
     ("token_id_out_of_vocabulary", COMPLETIONS, {"prompt": [1, 10**9]}, AUTH, 400, "prompt", None),
-    ("logprobs_above_5", COMPLETIONS, {"prompt": "x", "logprobs": 6}, AUTH, 400, "logprobs", None),
+    (
+        "logprobs_above_20",
+        COMPLETIONS,
+        {"prompt": "x", "logprobs": 21},
+        AUTH,
+        400,
+        "logprobs",
+        None,
+    ),
     (
         "top_logprobs_above_20",
         CHAT,

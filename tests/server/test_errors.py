@@ -28,7 +28,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": [1, 258]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
