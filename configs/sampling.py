@@ -91,6 +91,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (None: any)
+    # Token sequences never to complete: a sequence's last token is banned wherever the output
+    # ends with the rest of it (vLLM's bad_words, as the server tokenizes them).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = (
         None  # number of top alternatives to return per token (0 = only the chosen)
@@ -193,6 +196,15 @@ class SamplingParams:
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             "stop_token_ids must be token ids >= 0",
+        )
+        _check(
+            len(self.bad_words_token_ids) <= 2 * MAX_STOP_SEQUENCES
+            and all(
+                len(word) > 0 and all(isinstance(t, int) and t >= 0 for t in word)
+                for word in self.bad_words_token_ids
+            ),
+            "bad_words",
+            f"at most {MAX_STOP_SEQUENCES} bad words, each some token ids >= 0",
         )
         _check(
             self.allowed_token_ids is None

@@ -74,6 +74,8 @@ class RequestValidator:
         # They index the logits (banned while min_tokens is unmet): out of range would fail a step.
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be < {vocab_size}", "stop_token_ids")
+        if any(t >= vocab_size for word in params.bad_words_token_ids for t in word):
+            raise InvalidRequestError(f"bad_words token ids must be < {vocab_size}", "bad_words")
         if any(t >= vocab_size for t in params.allowed_token_ids or ()):
             raise InvalidRequestError(
                 f"allowed_token_ids must be < {vocab_size}", "allowed_token_ids"

@@ -42,6 +42,7 @@ class SamplingRow:
             and params.frequency_penalty == 0.0
             and not params.logit_bias
             and params.allowed_token_ids is None
+            and not params.bad_words_token_ids
             and not self.banned_token_ids
             and params.logprobs is None
         )
@@ -144,6 +145,10 @@ class Sampler:
             kept = logits[allowed]
             logits.fill_(float("-inf"))
             logits[allowed] = kept
+        for word in params.bad_words_token_ids:  # its last token, where the rest ends the output
+            *start, last = word
+            if not start or tuple(row.output_token_ids[-len(start) :]) == tuple(start):
+                logits[last] = float("-inf")
         if params.logit_bias:
             ids = [i for i in params.logit_bias if i < vocab_size]
             logits[ids] += torch.tensor([params.logit_bias[i] for i in ids], dtype=logits.dtype)

@@ -14,6 +14,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from pagedserve.configs.sampling import MAX_STOP_SEQUENCE_CHARS, MAX_STOP_SEQUENCES
 from pagedserve.engine.client import EngineClient
 from pagedserve.server.errors import invalid_request, model_not_found
 from pagedserve.server.protocol import ChatMessage
@@ -194,6 +195,28 @@ def truncated(prompt: Prompt, keep: int | None, engine: EngineClient) -> Prompt:
         return prompt
     token_ids = prompt.token_ids[-keep:]
     return Prompt(token_ids, engine.tokenizer.decode(token_ids))
+
+
+def bad_words_token_ids(
+    words: list[str] | None, engine: EngineClient
+) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of `bad_words`: each word as written and, where that makes other
+    tokens of the same count, after a space (mid-sentence, as a byte-level BPE spells it)."""
+    if len(words or []) > MAX_STOP_SEQUENCES:
+        raise invalid_request(f"At most {MAX_STOP_SEQUENCES} bad_words.", "bad_words")
+    sequences: list[tuple[int, ...]] = []
+    for word in words or []:
+        if not word.strip() or len(word) > MAX_STOP_SEQUENCE_CHARS:
+            raise invalid_request(
+                f"Each of bad_words must be 1-{MAX_STOP_SEQUENCE_CHARS} characters, not blank.",
+                "bad_words",
+            )
+        plain = tuple(encode_text(engine, word.lstrip(), "bad_words", add_special_tokens=False))
+        spaced = tuple(encode_text(engine, " " + word.lstrip(), "bad_words", False))
+        sequences.append(plain)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return tuple(sequences)
 
 
 def resolve_max_tokens(

@@ -106,6 +106,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the model's context length)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     include_stop_str_in_output: bool = False
@@ -138,6 +139,7 @@ class SamplingFields(_Request):
         structured_outputs: StructuredOutputs | None = None,
         prompt_logprobs: int | None = None,
         defaults: dict[str, float | int] | None = None,
+        bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
     ) -> SamplingParams:
         """Raises SamplingParamsError (naming the field) for out-of-range values. A field the
         request leaves out takes `defaults` (the model's, engine/sampling_defaults.py), else
@@ -161,6 +163,7 @@ class SamplingFields(_Request):
             seed=self.seed,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
+            bad_words_token_ids=bad_words_token_ids,
             allowed_token_ids=None
             if self.allowed_token_ids is None
             else tuple(self.allowed_token_ids),

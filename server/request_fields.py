@@ -3,8 +3,8 @@ logged where they would not.
 
 A request model keeps the keys it does not declare (`extra="allow"`, server/protocol.py). Among
 them, parameters that vLLM (or OpenAI) implements and pagedserve does not are a 400 naming the
-field as soon as they ask for something (beam search, words banned, special tokens spaced
-out...): answering 200 with ordinary sampling would let the client believe it got what it
+field as soon as they ask for something (beam search, special tokens spaced out, a client's
+template...): answering 200 with ordinary sampling would let the client believe it got what it
 asked for. Sent with their "do nothing" value (`use_beam_search: false`, `length_penalty: 1`,
 null) they are accepted, so clients that always send them work.
 Any other unknown key is ignored, as vLLM does, and logged once per request, so a misspelt
@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "bad_words": ([],),
     "spaces_between_special_tokens": (True,),
     "logits_processors": ([],),
     "return_tokens_as_token_ids": (False,),

@@ -16,6 +16,7 @@ from pagedserve.server.generation import EngineInput, Item, start_generation
 from pagedserve.server.logprobs import prompt_logprobs_body
 from pagedserve.server.prompts import (
     TemplateOptions,
+    bad_words_token_ids,
     chat_prompt,
     check_model,
     parse_logit_bias,
@@ -110,6 +111,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         _constraint(body, plan),
         prompt_logprobs=body.prompt_logprobs,
         defaults=engine.sampling_defaults,
+        bad_words_token_ids=bad_words_token_ids(body.bad_words, engine),
     )
     recorder = RequestRecorder(
         request.app.state.metrics,

@@ -13,6 +13,7 @@ from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, Item, start_generation
 from pagedserve.server.logprobs import ChoiceText, prompt_logprobs_body
 from pagedserve.server.prompts import (
+    bad_words_token_ids,
     check_model,
     completion_prompts,
     parse_logit_bias,
@@ -73,6 +74,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         for prompt in completion_prompts(body.prompt, engine, body.add_special_tokens)
     ]
     logit_bias = parse_logit_bias(body.logit_bias, engine.vocab_size)
+    bad_words = bad_words_token_ids(body.bad_words, engine)
     structured_outputs = to_structured_outputs(body)
     inputs = [
         EngineInput(
@@ -90,6 +92,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                 structured_outputs,
                 prompt_logprobs=_engine_prompt_logprobs(body),
                 defaults=engine.sampling_defaults,
+                bad_words_token_ids=bad_words,
             ),
             body.priority,
         )

@@ -3,6 +3,7 @@ independent of the batch, min_tokens, and n=4 sharing the prompt's blocks with c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -163,6 +164,16 @@ def test_only_allowed_token_ids_are_sampled(temperature):
         assert {result.token_id for result in sampled} == {1}
 
 
+def test_a_bad_words_last_token_is_banned_only_where_the_output_ends_with_the_rest():
+    logits = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 9.0]])  # 7 is the best
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=((5, 7), (3,)))
+    assert Sampler().sample(logits.clone(), [_row(params, output=(2, 5))])[0].token_id == 1
+    assert Sampler().sample(logits.clone(), [_row(params, output=(5, 2))])[0].token_id == 7
+    assert Sampler().sample(logits.clone(), [_row(params)])[0].token_id == 7
+    logits[0, 3] = 20.0  # a one-token bad word is never sampled
+    assert Sampler().sample(logits.clone(), [_row(params)])[0].token_id == 7
+
+
 def test_banned_tokens_below_min_tokens_are_never_sampled():
     logits = torch.tensor([[0.0, 0.0, 50.0, 0.0]])  # EOS (2) is by far the best
     greedy = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8)
@@ -287,6 +298,17 @@ def test_min_tokens_bans_eos_until_reached(tiny_loaded):
     assert run.token_ids["r"][:5].count(EOS) == 0
     assert run.token_ids["r"][5] == EOS and len(run.token_ids["r"]) == 6
     assert run.finish_reasons["r"] == "stop"
+
+
+def test_bad_words_change_a_greedy_output_where_it_would_complete_one(tiny_loaded):
+    prompt = [5, 6, 7]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    free = _generate_alone(tiny_loaded, prompt, greedy, block_size=4)
+    bad = (tuple(free[1:3]),)  # the output's second and third tokens, as one bad word
+    banned = dataclasses.replace(greedy, bad_words_token_ids=bad)
+    output = _generate_alone(tiny_loaded, prompt, banned, block_size=4)
+    assert output[:2] == free[:2] and output[2] != free[2]
+    assert all(tuple(output[i : i + 2]) != bad[0] for i in range(len(output) - 1))
 
 
 def test_allowed_token_ids_hold_for_every_token_of_a_request(tiny_loaded):

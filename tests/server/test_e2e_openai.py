@@ -326,6 +326,21 @@ def test_chat_continues_a_prefilled_assistant_message(client, model, offline, se
         assert refused.json()["error"]["param"] == "chat_template_kwargs"
 
 
+def test_bad_words_keep_a_greedy_answer_from_its_likeliest_word(client, model, offline):
+    expected = offline["completions"][0].outputs[0].text  # "The capital of France is" ...
+    word = expected.split()[0]
+    assert expected.startswith(" " + word)
+    response = client.completions.create(
+        model=model,
+        prompt=COMPLETION_PROMPTS[0],
+        max_tokens=NUM_GREEDY_TOKENS,
+        temperature=0,
+        extra_body={"bad_words": [word]},
+    )
+    text = response.choices[0].text
+    assert word not in text and text != expected
+
+
 def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client, model):
     prompt = "A prefix cache test: " + " ".join(f"item {i}," for i in range(20))
     first, second = (

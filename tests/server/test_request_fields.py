@@ -16,7 +16,6 @@ ROUTES = {
 ASKING = [
     ("use_beam_search", True),
     ("length_penalty", 2.0),
-    ("bad_words", ["x"]),
     ("spaces_between_special_tokens", 0),  # not `true`: a number asks for something unknown
     ("spaces_between_special_tokens", False),
     ("return_token_ids", True),
@@ -207,3 +206,16 @@ def test_a_bad_truncate_prompt_tokens_is_a_400(client, value):
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_bad_words_are_tokenized_for_the_engine(client, engine):
+    # The byte tokenizer spells " ab" with one token more than "ab": no spaced variant.
+    client.post("/v1/completions", json={"prompt": "hi", "bad_words": ["ab", " c"]})
+    assert engine.requests[0][2].bad_words_token_ids == ((97, 98), (99,))
+
+
+@pytest.mark.parametrize("words", [[""], ["  "], ["x" * 257], [f"w{i}" for i in range(17)], "ab"])
+def test_bad_bad_words_are_a_400(client, words):
+    response = client.post("/v1/completions", json={"prompt": "hi", "bad_words": words})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "bad_words"
