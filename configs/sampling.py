@@ -94,6 +94,8 @@ class SamplingParams:
     # Token sequences never to complete: a sequence's last token is banned wherever the output
     # ends with the rest of it (vLLM's bad_words, as the server tokenizes them).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Prefix-cache isolation: only requests with the same salt share cached blocks (vLLM's).
+    cache_salt: str | None = None
     ignore_eos: bool = False
     logprobs: int | None = (
         None  # number of top alternatives to return per token (0 = only the chosen)
@@ -205,6 +207,12 @@ class SamplingParams:
             ),
             "bad_words",
             f"at most {MAX_STOP_SEQUENCES} bad words, each some token ids >= 0",
+        )
+        _check(
+            self.cache_salt is None
+            or (isinstance(self.cache_salt, str) and len(self.cache_salt) > 0),
+            "cache_salt",
+            "cache_salt must be a non-empty string",
         )
         _check(
             self.allowed_token_ids is None

@@ -94,6 +94,12 @@ class Request:
         )
 
     @property
+    def cache_salt(self) -> str | None:
+        """Mixed into every block hash of this request's prefix chain: only requests with the
+        same salt share cached blocks (vLLM's cache_salt; None: the shared cache)."""
+        return self.sampling_params.cache_salt
+
+    @property
     def max_cached_tokens(self) -> int | None:
         """How much of the prompt may come from the prefix cache (None: all of it).
 

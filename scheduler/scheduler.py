@@ -55,8 +55,7 @@ class Scheduler:
         self.running: list[Request] = []  # kept sorted by _order_key: most important first
         self.fork_waiting: list[Request] = []  # n > 1 children waiting for their parent's prompt
         self.num_preemptions = 0
-        # Prompt tokens of admitted requests looked up in / found in the prefix cache, once per
-        # request (not for each retry of a blocked admission, nor after a preemption).
+        # Prompt tokens sought / hit in the prefix cache per request, not per retry or readmission.
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.speculator = Speculator(config.speculative_config, block_manager, max_model_len)
 
@@ -202,8 +201,9 @@ class Scheduler:
     def _admit(self, request: Request, token_budget: int) -> bool:
         """Move the head of `waiting` to `running` if its first chunk gets blocks now."""
         block_manager = self.block_manager
+        salt, max_cached_tokens = request.cache_salt, request.max_cached_tokens
         num_cached = block_manager.allocate_cached_prefix(
-            request.sequence_id, request.all_token_ids, max_cached_tokens=request.max_cached_tokens
+            request.sequence_id, request.all_token_ids, salt, max_cached_tokens
         )
         num_new_tokens = min(request.num_tokens - num_cached, token_budget)
         if not block_manager.allocate_slots(request.sequence_id, num_new_tokens, num_cached):

@@ -80,7 +80,10 @@ class Speculator:
         num_real = scheduled.num_new_tokens - len(scheduled.draft_token_ids)
         request.advance(num_real + max(len(new_token_ids) - 1, 0))
         self.block_manager.cache_computed_blocks(
-            request.sequence_id, request.all_token_ids, request.num_computed_tokens
+            request.sequence_id,
+            request.all_token_ids,
+            request.num_computed_tokens,
+            request.cache_salt,
         )
         if scheduled.needs_sample:
             self.block_manager.trim(request.sequence_id, request.num_tokens)

@@ -107,6 +107,7 @@ class SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    cache_salt: str | None = Field(None, max_length=1024)  # vLLM's prefix-cache isolation
     # vLLM's: keep only the prompt's last k tokens (-1: the model's context length)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     include_stop_str_in_output: bool = False
@@ -164,6 +165,7 @@ class SamplingFields(_Request):
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             bad_words_token_ids=bad_words_token_ids,
+            cache_salt=self.cache_salt,
             allowed_token_ids=None
             if self.allowed_token_ids is None
             else tuple(self.allowed_token_ids),

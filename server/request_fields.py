@@ -31,7 +31,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,),
     "prompt_embeds": (),
-    "cache_salt": (),
     "guided_whitespace_pattern": (),
     "chat_template": (),  # a template from the client: the model's own is the only one served
     "documents": ([],),

@@ -13,6 +13,7 @@ from tests.conftest import (
     FakeModelRunner,
     RunLog,
     expected_output_token_ids,
+    make_prompt,
     make_request,
     make_scheduler,
     run_to_completion,
@@ -202,6 +203,33 @@ def test_cached_prefix_outlives_the_request_that_computed_it():
     scheduler.add_request(second)
     log = run_to_completion(scheduler, runner)
     assert second.num_cached_tokens == 16 and log.plans[0].num_batched_tokens == 1
+
+
+def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt():
+    scheduler = make_scheduler(num_blocks=64, block_size=4)
+    runner = FakeModelRunner(scheduler)
+    prompt = make_prompt("salted", 17)
+    tenant_a = make_request("a", prompt_token_ids=prompt, max_tokens=1, cache_salt="tenant-a")
+    scheduler.add_request(tenant_a)
+    run_to_completion(scheduler, runner)
+    others = {
+        "same-salt": make_request(
+            "a2", prompt_token_ids=prompt, max_tokens=1, cache_salt="tenant-a"
+        ),
+        "other-salt": make_request(
+            "b", prompt_token_ids=prompt, max_tokens=1, cache_salt="tenant-b"
+        ),
+        "no-salt": make_request("c", prompt_token_ids=prompt, max_tokens=1),
+    }
+    for request in others.values():
+        scheduler.add_request(request)
+        run_to_completion(scheduler, runner)
+    hits = {name: request.num_cached_tokens for name, request in others.items()}
+    assert hits == {"same-salt": 16, "other-salt": 0, "no-salt": 0}
+    again = make_request("c2", prompt_token_ids=prompt, max_tokens=1)  # the unsalted chain is
+    scheduler.add_request(again)  # cached now, by "c"
+    run_to_completion(scheduler, runner)
+    assert again.num_cached_tokens == 16
 
 
 def test_no_prefix_hit_with_caching_disabled():

@@ -19,7 +19,6 @@ ASKING = [
     ("spaces_between_special_tokens", 0),  # not `true`: a number asks for something unknown
     ("spaces_between_special_tokens", False),
     ("return_token_ids", True),
-    ("cache_salt", "tenant-a"),
     ("guided_whitespace_pattern", " "),
     ("chat_template", "{{ messages }}"),
 ]
@@ -219,3 +218,15 @@ def test_bad_bad_words_are_a_400(client, words):
     response = client.post("/v1/completions", json={"prompt": "hi", "bad_words": words})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "bad_words"
+
+
+def test_cache_salt_reaches_the_engine(client, engine):
+    client.post("/v1/chat/completions", json={"messages": USER, "cache_salt": "tenant-a"})
+    assert engine.requests[0][2].cache_salt == "tenant-a"
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 1025, 5])
+def test_a_bad_cache_salt_is_a_400(client, salt):
+    response = client.post("/v1/completions", json={"prompt": "hi", "cache_salt": salt})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "cache_salt"
