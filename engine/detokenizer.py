@@ -61,8 +61,9 @@ class IncrementalDetokenizer:
         if token_ids and token_ids[-1] in self._stop_token_ids and not self._include_stop:
             token_ids = token_ids[:-1]  # ends the output (banned before): no text of its own
         self._token_ids.extend(token_ids)
+        held = len(self._pending)
         self._pending += self._decode_new()
-        emitted, hit = self._cut_at_stop(self._pending)
+        emitted, hit = self._cut_at_stop(self._pending, held)
         if hit:
             self._pending = ""
             self.text += emitted
@@ -77,17 +78,22 @@ class IncrementalDetokenizer:
         at a stop string that only this held-back text completes. Returns (text, stop hit)."""
         tail = self._decode(self._token_ids[self._prefix_offset :])
         prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
-        emitted, hit = self._cut_at_stop(self._pending + tail[len(prefix_text) :])
+        emitted, hit = self._cut_at_stop(
+            self._pending + tail[len(prefix_text) :], len(self._pending)
+        )
         self._pending = ""
         self.text += emitted
         return emitted, hit
 
-    def _cut_at_stop(self, text: str) -> tuple[str, bool]:
-        """`text` up to the earliest stop string (included if asked), and whether one was found;
-        none is looked for while the output has at most `min_tokens` tokens."""
+    def _cut_at_stop(self, text: str, new_from: int) -> tuple[str, bool]:
+        """`text` up to the earliest stop string that ends in its new part (from `new_from`),
+        the stop string included if asked, and whether one was found. Held text was searched
+        when it was new, or not at all while the output had at most `min_tokens` tokens: a stop
+        string lying wholly in it does not count later either (vLLM's window)."""
         if self._num_output_tokens <= self._min_tokens:
             return text, False
-        hit = min(((i, s) for s in self._stop if (i := text.find(s)) >= 0), default=None)
+        hits = ((text.find(s, max(0, new_from - len(s) + 1)), s) for s in self._stop)
+        hit = min(((i, s) for i, s in hits if i >= 0), default=None)
         if hit is None:
             return text, False
         index, stop = hit

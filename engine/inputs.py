@@ -76,6 +76,9 @@ class RequestValidator:
             raise InvalidRequestError(f"stop_token_ids must be < {vocab_size}", "stop_token_ids")
         if any(t >= vocab_size for word in params.bad_words_token_ids for t in word):
             raise InvalidRequestError(f"bad_words token ids must be < {vocab_size}", "bad_words")
+        banned = {word[0] for word in params.bad_words_token_ids if len(word) == 1}
+        if params.allowed_token_ids is not None and banned.issuperset(params.allowed_token_ids):
+            raise InvalidRequestError("bad_words ban every one of allowed_token_ids", "bad_words")
         if any(t >= vocab_size for t in params.allowed_token_ids or ()):
             raise InvalidRequestError(
                 f"allowed_token_ids must be < {vocab_size}", "allowed_token_ids"

@@ -21,7 +21,7 @@ from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.outputs import RequestDelta, RequestTimings, TokenLogprob
 from pagedserve.engine.prompt_logprobs import PromptEntries, PromptLogprobs
-from pagedserve.engine.sampler import SamplingRow
+from pagedserve.engine.sampler import NoTokenLeftError, SamplingRow
 from pagedserve.engine.structured_outputs import GrammarError, Matcher
 from pagedserve.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerOutput
 
@@ -230,7 +230,7 @@ class OutputProcessor:
             logger.error("sequence %s failed: %r", sequence_id, error)
             message = (
                 str(error)
-                if isinstance(error, GrammarError)
+                if isinstance(error, (GrammarError, NoTokenLeftError))
                 else f"internal error: {type(error).__name__}"
             )
             deltas += self._finish([sequence_id], RequestStatus.FINISHED_ERROR, message)

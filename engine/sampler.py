@@ -140,15 +140,7 @@ class Sampler:
     def _apply_penalties(logits: Tensor, row: SamplingRow) -> Tensor:
         params = row.params
         vocab_size = logits.shape[0]
-        if params.allowed_token_ids is not None:  # every other token out, before anything else
-            allowed = torch.tensor(params.allowed_token_ids)
-            kept = logits[allowed]
-            logits.fill_(float("-inf"))
-            logits[allowed] = kept
-        for word in params.bad_words_token_ids:  # its last token, where the rest ends the output
-            *start, last = word
-            if not start or tuple(row.output_token_ids[-len(start) :]) == tuple(start):
-                logits[last] = float("-inf")
+        _exclude(logits, row)
         if params.logit_bias:
             ids = [i for i in params.logit_bias if i < vocab_size]
             logits[ids] += torch.tensor([params.logit_bias[i] for i in ids], dtype=logits.dtype)
@@ -172,7 +164,31 @@ class Sampler:
                 # Nothing else is allowed: a grammar that can only end here. Its end wins over
                 # min_tokens (the output is complete), rather than a step with no token at all.
                 logits[row.banned_token_ids] = before
+        if not (logits > float("-inf")).any():
+            raise NoTokenLeftError(
+                "no token is left to sample: allowed_token_ids, bad_words and the output "
+                "constraint exclude every one"
+            )
         return logits
+
+
+class NoTokenLeftError(ValueError):
+    """A row whose request's exclusions (with its grammar's mask) leave no token to sample."""
+
+
+def _exclude(logits: Tensor, row: SamplingRow) -> None:
+    """-inf for what the request rules out: every token but `allowed_token_ids`, and the last
+    token of each bad word whose other tokens end the output."""
+    params = row.params
+    if params.allowed_token_ids is not None:
+        allowed = torch.tensor(params.allowed_token_ids)
+        kept = logits[allowed]
+        logits.fill_(float("-inf"))
+        logits[allowed] = kept
+    for word in params.bad_words_token_ids:
+        *start, last = word
+        if not start or tuple(row.output_token_ids[-len(start) :]) == tuple(start):
+            logits[last] = float("-inf")
 
 
 def top_alternatives(logprobs: Tensor, num_top: int) -> tuple[tuple[int, float], ...]:

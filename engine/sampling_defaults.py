@@ -5,9 +5,13 @@ here and at 0.6 on vLLM."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from pagedserve.configs import SamplingParams, SamplingParamsError
 from pagedserve.configs.engine import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 # The generation_config fields that are sampling parameters (SamplingParams' names).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -20,4 +24,17 @@ def model_sampling_defaults(model: Any, config: ModelConfig) -> dict[str, float 
     if config.generation_config == "vllm" or generation_config is None:
         return {}
     written = generation_config.to_diff_dict()
-    return {name: written[name] for name in SAMPLING_FIELDS if written.get(name) is not None}
+    defaults = {}
+    for name in SAMPLING_FIELDS:
+        value = written.get(name)
+        if name == "top_k" and isinstance(value, float) and value.is_integer():
+            value = int(value)  # JSON written by hand: 20.0
+        if value is None:
+            continue
+        try:  # one out of our range would fail every request that leaves the field out
+            SamplingParams(**{name: value})
+        except SamplingParamsError as error:
+            logger.warning("ignoring the model's generation_config %s=%r: %s", name, value, error)
+            continue
+        defaults[name] = value
+    return defaults

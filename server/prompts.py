@@ -115,26 +115,34 @@ def chat_prompt(
         extra = {"tools": tools} if renders_tools else {}
         if options.continue_final_message:  # passed only when asked: not every template API has it
             extra["continue_final_message"] = True
-        text = engine.tokenizer.apply_chat_template(
+        text = _render(engine.tokenizer, conversation, options, extra)
+    except (ValueError, TemplateError) as exc:  # no template, or it rejects the conversation
+        # (templates refuse e.g. a system role or turns that do not alternate by raising)
+        raise invalid_request(f"Cannot apply the chat template: {exc}", "messages") from exc
+    token_ids = encode_text(engine, text, "messages", options.add_special_tokens)
+    if not token_ids:
+        raise invalid_request("The chat template rendered an empty prompt.", "messages")
+    return Prompt(token_ids, text)
+
+
+def _render(
+    tokenizer: Any, conversation: list[dict[str, Any]], options: TemplateOptions, extra: dict
+) -> str:
+    try:
+        text: str = tokenizer.apply_chat_template(
             conversation,
             add_generation_prompt=options.add_generation_prompt,
             tokenize=False,
             **options.kwargs,
             **extra,
         )
-    except (ValueError, TemplateError) as exc:  # no template, or it rejects the conversation
-        # (templates refuse e.g. a system role or turns that do not alternate by raising)
-        raise invalid_request(f"Cannot apply the chat template: {exc}", "messages") from exc
-    except TypeError as exc:  # a variable the template cannot take (`messages` is caught above)
+        return text
+    except TypeError as exc:  # a variable the template cannot take (or misuses)
         if not options.kwargs:
             raise
         raise invalid_request(
             f"Cannot apply the chat template with these variables: {exc}", "chat_template_kwargs"
         ) from exc
-    token_ids = encode_text(engine, text, "messages", options.add_special_tokens)
-    if not token_ids:
-        raise invalid_request("The chat template rendered an empty prompt.", "messages")
-    return Prompt(token_ids, text)
 
 
 # Names a template variable may not take: the arguments of apply_chat_template (read from the
@@ -213,6 +221,8 @@ def bad_words_token_ids(
             )
         plain = tuple(encode_text(engine, word.lstrip(), "bad_words", add_special_tokens=False))
         spaced = tuple(encode_text(engine, " " + word.lstrip(), "bad_words", False))
+        if not plain:  # a tokenizer that drops it (its normalizer)
+            raise invalid_request(f"bad_words: {word!r} has no tokens.", "bad_words")
         sequences.append(plain)
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
             sequences.append(spaced)

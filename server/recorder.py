@@ -60,9 +60,10 @@ class RequestRecorder:
                 self.metrics.observe("itl", now - choice.last_token_time)
             choice.last_token_time = now
         choice.num_output_tokens = delta.num_output_tokens
+        if delta.finished and delta.index == 0:  # the prompt's own lookup: a forked choice
+            # shares its parent's prompt blocks, which is not a prefix-cache hit
+            self.num_cached_prompt_tokens[prompt_idx] = delta.num_cached_prompt_tokens
         if delta.finished:
-            cached = self.num_cached_prompt_tokens
-            cached[prompt_idx] = max(cached[prompt_idx], delta.num_cached_prompt_tokens)
             self._finish(prompt_idx, choice, delta.finish_reason or "stop", now)
         if delta.timings is not None:
             self.metrics.observe_timings(delta.timings)

@@ -5,7 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from pagedserve.server.errors import invalid_request
-from pagedserve.server.prompts import chat_prompt, check_model, check_token_ids, encode_text
+from pagedserve.server.prompts import (
+    TemplateOptions,
+    chat_prompt,
+    check_model,
+    check_token_ids,
+    encode_text,
+)
 from pagedserve.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -23,9 +29,16 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise invalid_request("Give exactly one of 'prompt' and 'messages'.", "prompt")
     if body.messages is not None:
-        token_ids = chat_prompt(body.messages, engine).token_ids
+        options = TemplateOptions(
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.chat_template_kwargs or {},
+            bool(body.add_special_tokens),
+        )
+        token_ids = chat_prompt(body.messages, engine, None, options).token_ids
     else:
-        token_ids = encode_text(engine, body.prompt, "prompt", body.add_special_tokens)
+        add_special_tokens = body.add_special_tokens is not False
+        token_ids = encode_text(engine, body.prompt, "prompt", add_special_tokens)
     return TokenizeResponse(
         tokens=token_ids, count=len(token_ids), max_model_len=engine.max_model_len
     )

@@ -173,3 +173,19 @@ def test_special_tokens_stay_in_the_text_when_not_skipped(default_tokenizer, ski
     text = "".join(detokenizer.add([token_id])[0] for token_id in token_ids)
     text += detokenizer.flush()[0]
     assert text == ("Hi there" if skip else "Hi<|im_end|> there")
+
+
+class CharTokenizer:
+    """Token i is the character chr(i)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, token_ids))
+
+
+def test_a_short_stop_string_held_back_before_min_tokens_does_not_end_the_output_later():
+    # "x" comes within the first min_tokens tokens and stays held (the longer stop string
+    # holds 7 characters back); only a stop string that ends in new text counts afterwards.
+    detokenizer = IncrementalDetokenizer(
+        CharTokenizer(), [ord(">")], ("x", "longstop"), min_tokens=2
+    )
+    assert _feed(detokenizer, [ord(c) for c in "axbcx"]) == ("axbc", True)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pagedserve.configs import SamplingParams
-from pagedserve.engine.sampler import Sampler, SamplingRow, takes_only_argmax
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.sampler import NoTokenLeftError, Sampler, SamplingRow, takes_only_argmax
 from tests.engine.conftest import (
     EngineRun,
     make_engine,
@@ -174,6 +175,18 @@ def test_a_bad_words_last_token_is_banned_only_where_the_output_ends_with_the_re
     assert Sampler().sample(logits.clone(), [_row(params)])[0].token_id == 7
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_whose_exclusions_leave_no_token_fails_with_that_reason(temperature):
+    # allowed (3, 5); the output ends with 4, which starts a bad word ending in 5; 3 is banned
+    params = SamplingParams(
+        temperature=temperature, allowed_token_ids=(3, 5), bad_words_token_ids=((3,), (4, 5))
+    )
+    rows = [_row(params, output=(4,)), _row(SamplingParams(temperature=0.0))]
+    failed, other = Sampler().sample(torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]] * 2), rows)
+    assert isinstance(failed, NoTokenLeftError) and "bad_words" in str(failed)
+    assert other.token_id == 5  # the batch goes on
+
+
 def test_banned_tokens_below_min_tokens_are_never_sampled():
     logits = torch.tensor([[0.0, 0.0, 50.0, 0.0]])  # EOS (2) is by far the best
     greedy = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8)
@@ -309,6 +322,16 @@ def test_bad_words_change_a_greedy_output_where_it_would_complete_one(tiny_loade
     output = _generate_alone(tiny_loaded, prompt, banned, block_size=4)
     assert output[:2] == free[:2] and output[2] != free[2]
     assert all(tuple(output[i : i + 2]) != bad[0] for i in range(len(output) - 1))
+
+
+def test_one_token_bad_words_that_ban_every_allowed_id_are_refused_up_front(tiny_loaded):
+    engine = make_engine(tiny_loaded, block_size=4)
+    params = SamplingParams(allowed_token_ids=(11, 29), bad_words_token_ids=((29,), (11,)))
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.validate_request("r", [5, 6], params, 0.0, 0)
+    assert refused.value.param == "bad_words"
+    allowed_one = dataclasses.replace(params, bad_words_token_ids=((29,), (4, 11)))
+    engine.validate_request("r", [5, 6], allowed_one, 0.0, 0)  # 11 is left (not after a 4)
 
 
 def test_allowed_token_ids_hold_for_every_token_of_a_request(tiny_loaded):

@@ -31,6 +31,14 @@ def test_only_the_sampling_fields_the_config_sets_are_defaults():
     }
 
 
+def test_a_default_out_of_range_is_dropped_with_a_warning_and_an_integral_top_k_kept(caplog):
+    model = _model(do_sample=True, top_p=0.0, top_k=20.0, temperature=0.7)
+    with caplog.at_level("WARNING", logger="pagedserve.engine.sampling_defaults"):
+        defaults = model_sampling_defaults(model, AUTO)
+    assert defaults == {"top_k": 20, "temperature": 0.7} and type(defaults["top_k"]) is int
+    assert any("top_p=0.0" in record.getMessage() for record in caplog.records)
+
+
 def test_vllm_mode_and_a_model_without_a_generation_config_have_none():
     assert model_sampling_defaults(_model(temperature=0.6, do_sample=True), VLLM) == {}
     assert model_sampling_defaults(SimpleNamespace(), AUTO) == {}

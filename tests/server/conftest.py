@@ -196,7 +196,10 @@ class FakeEngine:
                         step + 1,
                         reason is not None,
                         reason,
-                        num_cached_prompt_tokens=self.num_cached_prompt_tokens if reason else 0,
+                        # A forked choice (index > 0) reports its parent's shared blocks.
+                        num_cached_prompt_tokens=(
+                            self.num_cached_prompt_tokens + 100 * choice if reason else 0
+                        ),
                         timings=timings,
                         prompt_logprobs=prompt_logprobs if step == 0 else None,
                     )

@@ -335,10 +335,13 @@ def test_bad_words_keep_a_greedy_answer_from_its_likeliest_word(client, model, o
         prompt=COMPLETION_PROMPTS[0],
         max_tokens=NUM_GREEDY_TOKENS,
         temperature=0,
+        logprobs=0,
         extra_body={"bad_words": [word]},
     )
-    text = response.choices[0].text
-    assert word not in text and text != expected
+    choice = response.choices[0]
+    assert choice.text != expected
+    # Banned: the word's tokens as written and after a space (here one token each).
+    assert " " + word not in choice.logprobs.tokens and word not in choice.logprobs.tokens
 
 
 def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client, model):
@@ -350,6 +353,14 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client, model):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 16 <= cached < second.usage.prompt_tokens and cached % 16 == 0  # whole blocks
+    forked = client.completions.create(  # n = 2 on a cold prompt: its choices share blocks,
+        model=model,
+        prompt="Cold: " + prompt,
+        max_tokens=2,
+        n=2,
+        temperature=0,  # no cache hit
+    )
+    assert forked.usage.prompt_tokens_details.cached_tokens == 0
 
 
 # --- logprobs and seeds ---------------------------------------------------------------------------

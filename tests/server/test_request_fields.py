@@ -55,11 +55,10 @@ def test_unsupported_fields_sent_with_their_neutral_value_are_accepted(client, r
     neutral = {
         "use_beam_search": False,
         "length_penalty": 1.0,
-        "bad_words": None,
         "spaces_between_special_tokens": True,
-        "truncate_prompt_tokens": None,
         "return_token_ids": False,
-        "cache_salt": None,
+        "logits_processors": [],
+        "prompt_embeds": None,
     }
     response = client.post(route, json={**ROUTES[route], **neutral})
     assert response.status_code == 200, response.text

@@ -259,6 +259,17 @@ def test_tokenize_prompt_and_messages(client):
     }
     chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).json()
     assert bytes(chat["tokens"]).decode() == "<user>x\n<assistant>"
+    prefilled = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    continued = client.post(
+        "/tokenize",
+        json={
+            "messages": prefilled,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "chat_template_kwargs": {"v": 1},
+        },
+    ).json()
+    assert bytes(continued["tokens"]).decode() == "[v=1]<user>x\n<assistant>y"
 
 
 def test_detokenize_round_trips(client):
