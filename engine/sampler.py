@@ -164,7 +164,8 @@ class Sampler:
                 # Nothing else is allowed: a grammar that can only end here. Its end wins over
                 # min_tokens (the output is complete), rather than a step with no token at all.
                 logits[row.banned_token_ids] = before
-        if not (logits > float("-inf")).any():
+        excludes = params.allowed_token_ids is not None or params.bad_words_token_ids
+        if excludes and not (logits > float("-inf")).any():
             raise NoTokenLeftError(
                 "no token is left to sample: allowed_token_ids, bad_words and the output "
                 "constraint exclude every one"
