@@ -67,10 +67,21 @@ def split_cores(cores: Sequence[int], num_replicas: int) -> list[tuple[int, ...]
     return shares
 
 
+# Ports this process handed out or was told to use. Until a child binds its port, the OS may
+# offer that port again: a replica was once given the router's public port while it loaded, and
+# the router then failed with "Address already in use".
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+    """A port nothing listens on now, never one this process handed out before."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = int(probe.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def _child_setup(cores: tuple[int, ...]) -> None:
@@ -250,6 +261,7 @@ def run(
 ) -> int:
     """Starts everything, prints where each listens, and stops all on Ctrl-C / SIGTERM (0)."""
     os.makedirs(log_dir, exist_ok=True)
+    _handed_out.add(port)  # the router's: no replica may be given it
     shares = split_cores(sorted(os.sched_getaffinity(0)), num_replicas)
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     replicas: list[Child] = []

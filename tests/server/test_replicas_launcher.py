@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.server import cli
+from pagedserve.server import cli, replicas
 from pagedserve.server.replicas import router_command, split_cores
 
 
@@ -55,3 +55,25 @@ def test_the_number_of_replicas_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         cli.main(["replicas", "-n", "0"])
     assert "--num-replicas must be >= 1" in capsys.readouterr().err
+
+
+def test_a_port_is_never_handed_out_twice(monkeypatch):
+    # The OS may offer a port again until a child binds it: the launcher must not pass it on.
+    offered = iter([5001, 5001, 5002, 5003, 5002, 5004])
+
+    class OfferingSocket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(replicas.socket, "socket", OfferingSocket)
+    monkeypatch.setattr(replicas, "_handed_out", {5003})  # the router's public port
+    assert [replicas.free_port() for _ in range(3)] == [5001, 5002, 5004]
