@@ -21,13 +21,9 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 @functools.cache
 def _byte_of_char() -> dict[str, int]:
     """GPT-2's byte-level alphabet inverted: the printable character that spells each byte."""
-    # Bytes that are printable stand for themselves; the others (control characters, space,
-    # 0x7F-0xA0, 0xAD) are moved to 256 and up, in order (GPT-2's bytes_to_unicode).
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = {byte: chr(byte) for byte in printable}
-    shifted = (byte for byte in range(256) if byte not in chars)
-    chars.update({byte: chr(256 + n) for n, byte in enumerate(shifted)})
-    return {char: byte for byte, char in chars.items()}
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:
