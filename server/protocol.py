@@ -55,6 +55,14 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's usage in every chunk: not implemented
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _not_continuous(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("continuous_usage_stats is not supported; use include_usage")
+        return value
 
 
 class JsonSchemaFormat(_Request):
@@ -218,9 +226,13 @@ class ChatMessage(_Request):
         return "\n".join(part.text for part in self.content)
 
     def to_template_message(self) -> dict[str, str]:
-        """The dict a chat template expects; `developer` is OpenAI's newer name for `system`."""
+        """The dict a chat template expects; `developer` is OpenAI's newer name for `system`.
+        A participant's `name` goes along, for templates that render it."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text}
+        message = {"role": role, "content": self.text}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -128,7 +128,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         "created": request.state.created,  # arrival, not the first token
         "model": engine.model_name,
     }
-    choices = [_Choice(plan.new_parser() if plan else None) for _ in range(params.n)]
+    choices = [
+        _Choice(plan.new_parser() if plan else None, body.parallel_tool_calls)
+        for _ in range(params.n)
+    ]
     if body.stream:
         chunks = _stream_chunks(
             stream, header, engine.tokenizer, choices, num_top or 0, recorder, body.include_usage
@@ -156,8 +159,9 @@ def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None) -> Structure
 class _Choice:
     """One choice's text as it streams; with tools, what its parser lets through."""
 
-    def __init__(self, parser: ToolCallParser | None) -> None:
+    def __init__(self, parser: ToolCallParser | None, parallel_calls: bool = True) -> None:
         self.parser = parser
+        self.parallel_calls = parallel_calls  # False: at most one call (OpenAI's field)
         self.text = ""
         self.logprobs: ChatLogprobs | None = None
         self.finish_reason: str | None = None
@@ -168,6 +172,8 @@ class _Choice:
     def finish(self, finish_reason: str | None) -> tuple[str, list[ToolCall]]:
         """The held-back text and the calls; "stop" becomes "tool_calls" when there are calls."""
         tail, calls = self.parser.finish() if self.parser is not None else ("", [])
+        if not self.parallel_calls:  # "required" enforces it in its grammar; auto's parser here
+            calls = calls[:1]
         self.finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
         return tail, to_tool_calls(calls)
 

@@ -39,7 +39,11 @@ class ByteTokenizer:
         **variables: object,  # written first, as `[name=value]`
     ) -> str:
         text = "".join(f"[{name}={value}]" for name, value in sorted(variables.items()))
-        text += "".join(f"<{message['role']}>{message['content']}\n" for message in conversation)
+        text += "".join(
+            f"<{message['role']}{':' + message['name'] if 'name' in message else ''}>"
+            f"{message['content']}\n"
+            for message in conversation
+        )
         if continue_final_message:
             text = text.removesuffix("\n")
         return text + ("<assistant>" if add_generation_prompt else "")

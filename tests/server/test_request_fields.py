@@ -229,3 +229,18 @@ def test_a_bad_cache_salt_is_a_400(client, salt):
     response = client.post("/v1/completions", json={"prompt": "hi", "cache_salt": salt})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "cache_salt"
+
+
+def test_a_participants_name_reaches_the_template(client, engine):
+    messages = [{"role": "user", "content": "hi", "name": "ada"}]
+    client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert bytes(engine.requests[0][1]).decode() == "<user:ada>hi\n<assistant>"
+
+
+def test_continuous_usage_stats_is_refused_not_ignored(client):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    response = client.post(
+        "/v1/completions", json={"prompt": "hi", "stream": True, "stream_options": options}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "stream_options.continuous_usage_stats"

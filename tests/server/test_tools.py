@@ -179,6 +179,26 @@ def test_auto_with_the_hermes_parser_returns_openai_tool_calls(client_with, engi
     assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "P"}'}
 
 
+@pytest.mark.parametrize(("parallel", "num_calls"), [(True, 2), (False, 1)])
+def test_auto_keeps_one_call_when_parallel_tool_calls_is_false(
+    client_with, engine: FakeEngine, parallel, num_calls
+):
+    client = client_with(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "P"}}</tool_call>'
+    engine.script = call + call.replace('"P"', '"Q"')
+    for stream in (False, True):
+        response = _chat(
+            client,
+            tools=[WEATHER],
+            max_tokens=2 * len(call) + 1,
+            parallel_tool_calls=parallel,
+            stream=stream,
+        )
+        text = response.text
+        assert text.count('"get_weather"') == num_calls, text
+        assert (r"\"Q\"" in text) == parallel  # the second call's arguments, escaped
+
+
 def test_earlier_call_arguments_nested_past_the_interpreters_limit_render_as_sent(
     client, engine: FakeEngine
 ):
