@@ -9,7 +9,7 @@ from typing import Any
 
 from pagedserve.engine.outputs import RequestDelta, TokenLogprob
 from pagedserve.server.protocol import CompletionLogprobs, PromptLogprob, PromptLogprobs
-from pagedserve.server.token_bytes import token_bytes
+from pagedserve.server.token_bytes import token_bytes, token_name
 
 
 def prompt_logprobs_body(
@@ -54,8 +54,10 @@ class ChoiceText:
         prefix: str,
         prompt_token_ids: list[int],
         num_echo_top: int | None = None,
+        tokens_as_ids: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids: "token_id:<id>"
         self.pending_prefix = prefix  # the echoed prompt, sent with the first piece
         self.num_chars = len(prefix)
         self.prompt_token_ids = prompt_token_ids
@@ -91,7 +93,7 @@ class ChoiceText:
         num_top: int | None,
     ) -> int:
         """Add one token; returns the offset after it. `entry` None: the prompt's first token."""
-        token = self.tokenizer.decode([token_id])
+        token = token_name(self.tokenizer, token_id, self.tokens_as_ids)
         logprobs.tokens.append(token)
         logprobs.text_offset.append(offset)
         offset += len(chars.decode(token_bytes(self.tokenizer, token_id)))
@@ -100,7 +102,10 @@ class ChoiceText:
             logprobs.top_logprobs.append(None)
             return offset
         alternatives = entry.top_logprobs if num_top is None else entry.top_logprobs[:num_top]
-        top = {self.tokenizer.decode([token_id]): value for token_id, value in alternatives}
+        top = {
+            token_name(self.tokenizer, token_id, self.tokens_as_ids): value
+            for token_id, value in alternatives
+        }
         # The chosen token is always listed, with its own value even when another token of
         # the top list decodes to the same text (the legacy format keys them by text).
         top[token] = entry.logprob

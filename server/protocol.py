@@ -120,6 +120,10 @@ class SamplingFields(_Request):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's token tracing: the prompt's and each choice's token ids beside the text, and logprob
+    # tokens named "token_id:<id>" (server/token_bytes.py)
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     priority: int = 0  # with --scheduling-policy priority: lower is served first (as vLLM)
     # Output constraints: OpenAI's, vLLM's, and vLLM's older guided_* (server/structured.py)
     response_format: ResponseFormat | None = None
@@ -317,10 +321,14 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-def _drop_null_prompt_logprobs(data: dict[str, Any]) -> dict[str, Any]:
-    # vLLM's extension appears only when asked for, so OpenAI-shaped bodies stay exactly so.
-    if data.get("prompt_logprobs") is None:
-        data.pop("prompt_logprobs", None)
+_ON_REQUEST = ("prompt_logprobs", "prompt_token_ids", "token_ids")
+
+
+def _drop_unasked(data: dict[str, Any]) -> dict[str, Any]:
+    # vLLM's extensions appear only when asked for, so OpenAI-shaped bodies stay exactly so.
+    for key in _ON_REQUEST:
+        if key in data and data[key] is None:
+            del data[key]
     return data
 
 
@@ -330,10 +338,14 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # return_token_ids (vLLM puts the prompt's on each choice here, on its first chunk when
+    # streaming; a chunk's token_ids are the ones it adds)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
-        return _drop_null_prompt_logprobs(handler(self))
+        return _drop_unasked(handler(self))
 
 
 class CompletionResponse(BaseModel):
@@ -377,6 +389,11 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return _drop_unasked(handler(self))
 
 
 class ChatCompletionResponse(BaseModel):
@@ -387,10 +404,11 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
-        return _drop_null_prompt_logprobs(handler(self))
+        return _drop_unasked(handler(self))
 
 
 class ChatDelta(BaseModel):
@@ -409,6 +427,11 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the ones this chunk adds
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return _drop_unasked(handler(self))
 
 
 class ChatCompletionChunk(BaseModel):
@@ -418,6 +441,11 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on each choice's first chunk
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return _drop_unasked(handler(self))
 
 
 class ModelCard(BaseModel):

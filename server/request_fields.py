@@ -28,8 +28,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1, 1.0),
     "spaces_between_special_tokens": (True,),
     "logits_processors": ([],),
-    "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,),
     "prompt_embeds": (),
     "guided_whitespace_pattern": (),
     "chat_template": (),  # a template from the client: the model's own is the only one served

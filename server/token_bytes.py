@@ -1,5 +1,5 @@
 """A token's own bytes, for the logprobs fields that describe tokens byte by byte (the chat
-format's `bytes`, the legacy `text_offset`).
+format's `bytes`, the legacy `text_offset`), and the name logprobs give a token.
 
 Decoding one token alone turns a piece of a multi-byte character (half an emoji) into U+FFFD, whose
 three bytes say nothing about the token: OpenAI's `bytes` exists so that a client can join pieces
@@ -41,3 +41,10 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     if piece and all(char in byte_of_char for char in piece):
         return bytes(byte_of_char[char] for char in piece)
     return text.encode()
+
+
+def token_name(tokenizer: Any, token_id: int, as_token_id: bool = False) -> str:
+    """A token as the logprobs fields name it: its decoded text, or with vLLM's
+    `return_tokens_as_token_ids` the string `token_id:<id>`, which tells apart tokens whose text
+    alone does not (two that decode alike, half a character)."""
+    return f"token_id:{token_id}" if as_token_id else tokenizer.decode([token_id])

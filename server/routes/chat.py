@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -39,7 +40,7 @@ from pagedserve.server.recorder import RequestRecorder
 from pagedserve.server.request_fields import check_request_fields
 from pagedserve.server.streams import EventStreamResponse, sse_events
 from pagedserve.server.structured import to_structured_outputs
-from pagedserve.server.token_bytes import token_bytes
+from pagedserve.server.token_bytes import token_bytes, token_name
 from pagedserve.server.tool_parsers import ToolCallParser
 from pagedserve.server.tool_protocol import ToolCall
 from pagedserve.server.tools import ToolPlan, plan_tools, to_tool_calls, tool_call_deltas
@@ -54,25 +55,39 @@ def _logprobs_count(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def _chat_logprobs(
-    tokenizer: Any, entries: tuple[TokenLogprob, ...] | None, num_top: int
-) -> ChatLogprobs | None:
-    if entries is None:
-        return None
+@dataclass(frozen=True, slots=True)
+class _Output:
+    """What a request asked to see besides the text: logprobs, and vLLM's token ids."""
 
-    def top(token_id: int, logprob: float) -> TopLogprob:
-        token = tokenizer.decode([token_id])
-        # The token's own bytes: half an emoji decodes to U+FFFD alone (server/token_bytes.py).
+    tokenizer: Any
+    num_top: int  # alternatives per token, when logprobs are on
+    tokens_as_ids: bool  # return_tokens_as_token_ids: logprob tokens named "token_id:<id>"
+    prompt_token_ids: list[int] | None  # return_token_ids: the prompt's (else None)
+
+    @property
+    def token_ids(self) -> bool:
+        return self.prompt_token_ids is not None
+
+    def logprobs(self, entries: tuple[TokenLogprob, ...] | None) -> ChatLogprobs | None:
+        if entries is None:
+            return None
+        content = []
+        for entry in entries:
+            chosen = self._top(entry.token_id, entry.logprob)
+            alternatives = [
+                self._top(token_id, value) for token_id, value in entry.top_logprobs[: self.num_top]
+            ]
+            content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=alternatives))
+        return ChatLogprobs(content=content)
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        # The token's own bytes, under either name: half an emoji decodes to U+FFFD alone
+        # (server/token_bytes.py).
         return TopLogprob(
-            token=token, logprob=logprob, bytes=list(token_bytes(tokenizer, token_id))
+            token=token_name(self.tokenizer, token_id, self.tokens_as_ids),
+            logprob=logprob,
+            bytes=list(token_bytes(self.tokenizer, token_id)),
         )
-
-    content = []
-    for entry in entries:
-        chosen = top(entry.token_id, entry.logprob)
-        alternatives = [top(token_id, value) for token_id, value in entry.top_logprobs[:num_top]]
-        content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=alternatives))
-    return ChatLogprobs(content=content)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
@@ -132,14 +147,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         _Choice(plan.new_parser() if plan else None, body.parallel_tool_calls)
         for _ in range(params.n)
     ]
-    if body.stream:
-        chunks = _stream_chunks(
-            stream, header, engine.tokenizer, choices, num_top or 0, recorder, body.include_usage
-        )
-        return EventStreamResponse(sse_events(chunks))
-    response = await _collect(
-        stream, header, engine.tokenizer, choices, num_top or 0, recorder, body.prompt_logprobs
+    output = _Output(
+        engine.tokenizer,
+        num_top or 0,
+        body.return_tokens_as_token_ids,
+        prompt.token_ids if body.return_token_ids else None,
     )
+    if body.stream:
+        chunks = _stream_chunks(stream, header, output, choices, recorder, body.include_usage)
+        return EventStreamResponse(sse_events(chunks))
+    response = await _collect(stream, header, output, choices, recorder, body.prompt_logprobs)
     return JSONResponse(response.model_dump())
 
 
@@ -163,6 +180,7 @@ class _Choice:
         self.parser = parser
         self.parallel_calls = parallel_calls  # False: at most one call (OpenAI's field)
         self.text = ""
+        self.token_ids: list[int] = []
         self.logprobs: ChatLogprobs | None = None
         self.finish_reason: str | None = None
 
@@ -181,37 +199,41 @@ class _Choice:
 async def _stream_chunks(
     stream: AsyncIterator[Item],
     header: dict[str, Any],
-    tokenizer: Any,
+    output: _Output,
     choices: list[_Choice],
-    num_top: int,
     recorder: RequestRecorder,
     include_usage: bool,
 ) -> AsyncIterator[str]:
     exclude = None if include_usage else {"usage"}  # "usage": null only when usage is asked for
 
-    def chunk(index: int, delta: ChatDelta, **fields: Any) -> str:
+    def chunk(index: int, delta: ChatDelta, prompt_token_ids: Any = None, **fields: Any) -> str:
         choice = ChatChunkChoice(index=index, delta=delta, **fields)
-        return ChatCompletionChunk(**header, choices=[choice]).model_dump_json(exclude=exclude)
+        return ChatCompletionChunk(
+            **header, choices=[choice], prompt_token_ids=prompt_token_ids
+        ).model_dump_json(exclude=exclude)
 
     async with aclosing(stream):
         for index in range(len(choices)):  # OpenAI's first chunk of every choice: the role
-            yield chunk(index, ChatDelta(role="assistant", content=""))
+            yield chunk(index, ChatDelta(role="assistant", content=""), output.prompt_token_ids)
         async for _, delta in stream:
             choice = choices[delta.index]
-            logprobs = _chat_logprobs(tokenizer, delta.new_logprobs, num_top)
+            logprobs = output.logprobs(delta.new_logprobs)
+            # Every token's id is sent (return_token_ids), held-back text or not.
+            token_ids = list(delta.new_token_ids) if output.token_ids else None
             text, calls = choice.take(delta.new_text), []
             if delta.finished:
                 tail, calls = choice.finish(delta.finish_reason)
                 text += tail
-            if not (text or logprobs or delta.finished):
+            if not (text or logprobs or token_ids or delta.finished):
                 continue  # held back (a partial character, stop string or tool-call tag)
             content = ChatDelta(content=text or None)
+            fields = {"logprobs": logprobs, "token_ids": token_ids}
             if not calls:
                 finish_reason = choice.finish_reason if delta.finished else None
-                yield chunk(delta.index, content, logprobs=logprobs, finish_reason=finish_reason)
+                yield chunk(delta.index, content, finish_reason=finish_reason, **fields)
                 continue
-            if text or logprobs:
-                yield chunk(delta.index, content, logprobs=logprobs)
+            if text or logprobs or token_ids:
+                yield chunk(delta.index, content, **fields)
             for call_index, call in enumerate(calls):  # name first, then the arguments
                 for piece in tool_call_deltas(call_index, call):
                     yield chunk(delta.index, ChatDelta(tool_calls=[piece]))
@@ -223,9 +245,8 @@ async def _stream_chunks(
 async def _collect(
     stream: AsyncIterator[Item],
     header: dict[str, Any],
-    tokenizer: Any,
+    output: _Output,
     choices: list[_Choice],
-    num_top: int,
     recorder: RequestRecorder,
     num_prompt_top: int | None,
 ) -> ChatCompletionResponse:
@@ -234,11 +255,12 @@ async def _collect(
         async for _, delta in stream:
             if num_prompt_top is not None and delta.prompt_logprobs and prompt_logprobs is None:
                 prompt_logprobs = prompt_logprobs_body(
-                    tokenizer, delta.prompt_logprobs, num_prompt_top
+                    output.tokenizer, delta.prompt_logprobs, num_prompt_top
                 )
             choice = choices[delta.index]
             choice.text += delta.new_text
-            new_logprobs = _chat_logprobs(tokenizer, delta.new_logprobs, num_top)
+            choice.token_ids += delta.new_token_ids
+            new_logprobs = output.logprobs(delta.new_logprobs)
             if new_logprobs is not None:
                 previous = choice.logprobs
                 choice.logprobs = (
@@ -264,8 +286,13 @@ async def _collect(
                 message=message,
                 logprobs=choice.logprobs,
                 finish_reason=choice.finish_reason,
+                token_ids=choice.token_ids if output.token_ids else None,
             )
         )
     return ChatCompletionResponse(
-        **header, choices=results, usage=recorder.usage(), prompt_logprobs=prompt_logprobs
+        **header,
+        choices=results,
+        usage=recorder.usage(),
+        prompt_logprobs=prompt_logprobs,
+        prompt_token_ids=output.prompt_token_ids,
     )

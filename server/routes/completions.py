@@ -115,15 +115,23 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     num_echo_top = body.logprobs if body.echo else None
     choices = {
         (prompt_idx, index): ChoiceText(
-            engine.tokenizer, prompt.text if body.echo else "", prompt.token_ids, num_echo_top
+            engine.tokenizer,
+            prompt.text if body.echo else "",
+            prompt.token_ids,
+            num_echo_top,
+            body.return_tokens_as_token_ids,
         )
         for prompt_idx, prompt in enumerate(prompts)
         for index in range(n)
     }
     if body.stream:
-        chunks = _stream_chunks(stream, header, choices, n, recorder, body.include_usage)
+        chunks = _stream_chunks(
+            stream, header, choices, n, recorder, body.include_usage, body.return_token_ids
+        )
         return EventStreamResponse(sse_events(chunks))
-    response = await _collect(stream, header, choices, n, recorder, body.prompt_logprobs)
+    response = await _collect(
+        stream, header, choices, n, recorder, body.prompt_logprobs, body.return_token_ids
+    )
     return JSONResponse(response.model_dump())
 
 
@@ -134,19 +142,27 @@ async def _stream_chunks(
     n: int,
     recorder: RequestRecorder,
     include_usage: bool,
+    return_token_ids: bool,
 ) -> AsyncIterator[str]:
     exclude = None if include_usage else {"usage"}  # "usage": null only when usage is asked for
+    started: set[tuple[int, int]] = set()  # choices whose first chunk (with the prompt's ids) went
     async with aclosing(stream):
         async for prompt_idx, delta in stream:
-            text, logprobs = choices[(prompt_idx, delta.index)].take(delta)
-            if not (text or logprobs or delta.finished):
+            key = (prompt_idx, delta.index)
+            text, logprobs = choices[key].take(delta)
+            token_ids = list(delta.new_token_ids) if return_token_ids else None
+            if not (text or logprobs or token_ids or delta.finished):
                 continue  # text held back by the detokenizer (partial character or stop string)
             choice = CompletionChoice(
                 index=prompt_idx * n + delta.index,
                 text=text,
                 logprobs=logprobs,
                 finish_reason=delta.finish_reason,
+                token_ids=token_ids,
             )
+            if return_token_ids and key not in started:
+                started.add(key)
+                choice.prompt_token_ids = choices[key].prompt_token_ids
             yield CompletionResponse(**header, choices=[choice]).model_dump_json(exclude=exclude)
     if include_usage:
         yield CompletionResponse(**header, choices=[], usage=recorder.usage()).model_dump_json()
@@ -159,14 +175,25 @@ async def _collect(
     n: int,
     recorder: RequestRecorder,
     num_prompt_top: int | None,
+    return_token_ids: bool,
 ) -> CompletionResponse:
-    results = {key: CompletionChoice(index=key[0] * n + key[1], text="") for key in choices}
+    results = {
+        key: CompletionChoice(
+            index=key[0] * n + key[1],
+            text="",
+            prompt_token_ids=choice.prompt_token_ids if return_token_ids else None,
+            token_ids=[] if return_token_ids else None,
+        )
+        for key, choice in choices.items()
+    }
     async with aclosing(stream):
         async for prompt_idx, delta in stream:
             result = results[(prompt_idx, delta.index)]
             choice_text = choices[(prompt_idx, delta.index)]
             text, logprobs = choice_text.take(delta)
             result.text += text
+            if result.token_ids is not None:
+                result.token_ids += delta.new_token_ids
             if logprobs is not None:
                 result.logprobs = _concat(result.logprobs, logprobs)
             if num_prompt_top is not None and delta.prompt_logprobs is not None:

@@ -408,6 +408,34 @@ def test_chat_logprobs_list_each_token_with_its_top_logprobs(client, model):
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
 
 
+def test_return_token_ids_are_the_offline_llm_s_prompt_and_output_tokens(client, model, offline):
+    response = client.completions.create(
+        model=model,
+        prompt=COMPLETION_PROMPTS[0],
+        max_tokens=NUM_GREEDY_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    (choice,) = response.choices
+    expected = offline["completions"][0]
+    assert choice.prompt_token_ids == expected.prompt_token_ids
+    assert choice.token_ids == expected.outputs[0].token_ids
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=CONVERSATIONS[0],
+            max_tokens=NUM_GREEDY_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
+    )
+    expected = offline["chats"][0]
+    assert chunks[0].prompt_token_ids == expected.prompt_token_ids
+    streamed = [token for chunk in chunks[1:] for token in chunk.choices[0].token_ids]
+    assert streamed == expected.outputs[0].token_ids
+
+
 def test_chat_without_logprobs_returns_none(client, model):
     response = client.chat.completions.create(
         model=model, messages=CONVERSATIONS[0], max_tokens=2, temperature=0

@@ -18,7 +18,6 @@ ASKING = [
     ("length_penalty", 2.0),
     ("spaces_between_special_tokens", 0),  # not `true`: a number asks for something unknown
     ("spaces_between_special_tokens", False),
-    ("return_token_ids", True),
     ("guided_whitespace_pattern", " "),
     ("chat_template", "{{ messages }}"),
 ]
