@@ -1,11 +1,12 @@
 """OpenAI-compatible request and response models (pydantic v2), with vLLM's sampling extensions.
 
 Requests validate types strictly (`"5"` is not an int), so a wrong type is a 400, never a silent
-coercion. The two generation requests keep the keys they do not declare, for
+coercion. The two generation requests, and their option objects (`stream_options`,
+`response_format`, `structured_outputs`), keep the keys they do not declare, for
 server/request_fields.py to judge: parameters vLLM implements and we do not are a 400 when they
 ask for something, other keys are ignored (as vLLM does) and logged, so clients written for newer
-OpenAI versions or other servers keep working. Nested objects ignore unknown keys. Ranges of
-sampling values are checked once, by `SamplingParams`, not repeated here.
+OpenAI versions or other servers keep working. Other nested objects (messages, tools) ignore
+unknown keys. Ranges of sampling values are checked once, by `SamplingParams`, not repeated here.
 """
 
 from __future__ import annotations
@@ -53,7 +54,12 @@ class _Request(BaseModel):
         }
 
 
-class StreamOptions(_Request):
+class _Options(_Request):
+    # Undeclared keys are kept (model_extra) for server/request_fields.py.
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Options):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's usage in every chunk: not implemented
 
@@ -65,19 +71,19 @@ class StreamOptions(_Request):
         return value
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(_Options):
     name: str = Field(max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(_Options):
     type: str  # text | json_object | json_schema; others are a 400 naming response_format
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsField(_Request):
+class StructuredOutputsField(_Options):
     """vLLM's `structured_outputs` request object (one of its fields; see server/structured.py)."""
 
     json_: str | dict[str, Any] | None = Field(None, alias="json")

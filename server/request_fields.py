@@ -9,6 +9,10 @@ asked for. Sent with their "do nothing" value (`use_beam_search: false`, `length
 null) they are accepted, so clients that always send them work.
 Any other unknown key is ignored, as vLLM does, and logged once per request, so a misspelt
 parameter shows up in the server log rather than nowhere.
+
+The same holds inside the nested objects (`response_format`, its `json_schema`, `stream_options`),
+except `structured_outputs`, where an unknown key is a 400 as in vLLM (whose object refuses them):
+a misspelt constraint there would otherwise leave the output unconstrained without a word.
 """
 
 from __future__ import annotations
@@ -36,6 +40,15 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (),
     "echo": (False,),  # chat only: completions declares its own `echo`
 }
+# vLLM's structured_outputs options beyond the constraint itself. Our JSON grammars are compact and,
+# under a schema, closed to undeclared properties (engine/structured_outputs/compiler.py): output
+# that satisfies either value of the two flags, so neither value asks for something we do not do.
+STRUCTURED_OUTPUTS_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "disable_any_whitespace": (True, False),
+    "disable_additional_properties": (True, False),
+    "whitespace_pattern": (),
+    "structural_tag": (),
+}
 _HINTS = {
     "functions": " Send them as `tools` (type function).",
     "function_call": " Use `tool_choice`.",
@@ -44,21 +57,53 @@ _HINTS = {
 
 def check_request_fields(body: BaseModel, request_id: str) -> None:
     """Raises 400 for an unsupported parameter that asks for something; logs the other unknown
-    keys of `body` (a request model with extra="allow")."""
-    ignored = []
-    for name, value in (body.model_extra or {}).items():
-        if name not in UNSUPPORTED:
-            ignored.append(name)
-        elif value is not None and not _asks_nothing(value, UNSUPPORTED[name]):
-            raise invalid_request(
-                f"{name} is not supported by this server.{_HINTS.get(name, '')}", name
-            )
+    keys of `body` and of its nested objects (request models with extra="allow")."""
+    ignored = _judge(body, "", UNSUPPORTED)
+    for path, nested in _nested_objects(body):
+        if path == "structured_outputs.":
+            strict = _judge(nested, path, STRUCTURED_OUTPUTS_UNSUPPORTED)
+            if strict:
+                raise invalid_request(
+                    f"{strict[0]} is not a structured_outputs field (json, regex, choice, "
+                    "grammar or json_object).",
+                    strict[0],
+                )
+        else:
+            ignored += _judge(nested, path, {})
     if ignored:
         logger.warning(
             "request %s: ignored fields the API does not define: %s",
             request_id,
             ", ".join(sorted(ignored)),
         )
+
+
+def _judge(model: BaseModel, path: str, unsupported: dict[str, tuple[Any, ...]]) -> list[str]:
+    """Raises 400 for a field of `unsupported` that asks for something; returns the other unknown
+    keys of `model`, prefixed with `path`."""
+    unknown = []
+    for name, value in (model.model_extra or {}).items():
+        if name not in unsupported:
+            unknown.append(path + name)
+        elif value is not None and not _asks_nothing(value, unsupported[name]):
+            raise invalid_request(
+                f"{path}{name} is not supported by this server.{_HINTS.get(name, '')}",
+                path + name,
+            )
+    return unknown
+
+
+def _nested_objects(body: BaseModel) -> list[tuple[str, BaseModel]]:
+    """The request's nested objects that keep their unknown keys, with their paths ("a.b.")."""
+    found = []
+    for name in ("stream_options", "response_format", "structured_outputs"):
+        nested = getattr(body, name, None)
+        if isinstance(nested, BaseModel):
+            found.append((f"{name}.", nested))
+            schema = getattr(nested, "json_schema", None)
+            if isinstance(schema, BaseModel):
+                found.append((f"{name}.json_schema.", schema))
+    return found
 
 
 def _asks_nothing(value: Any, neutral: tuple[Any, ...]) -> bool:

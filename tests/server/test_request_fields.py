@@ -243,3 +243,59 @@ def test_continuous_usage_stats_is_refused_not_ignored(client):
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+
+
+# --- nested objects -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"regex": "a", "whitespace_pattern": " *"}, "structured_outputs.whitespace_pattern"),
+        ({"regex": "a", "structural_tag": "{}"}, "structured_outputs.structural_tag"),
+        ({"regex": "a", "regx": "b"}, "structured_outputs.regx"),  # unknown: refused, as vLLM
+        ({"json_schema": {"type": "object"}}, "structured_outputs.json_schema"),
+        ({}, "structured_outputs"),  # no constraint at all is a mistake, not free text
+        ({"whitespace_pattern": None}, "structured_outputs"),
+    ],
+)
+def test_structured_outputs_refuses_what_it_would_not_apply(client, engine, route, options, param):
+    response = client.post(route, json={**ROUTES[route], "structured_outputs": options})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("flag", ["disable_any_whitespace", "disable_additional_properties"])
+@pytest.mark.parametrize("value", [True, False])
+def test_structured_outputs_flags_our_json_grammars_satisfy_are_accepted(
+    client, engine, flag, value
+):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = {**ROUTES["/v1/completions"], "structured_outputs": {"json": schema, flag: value}}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert engine.requests[-1][2].structured_outputs.kind == "json"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_unknown_keys_of_the_option_objects_are_ignored_and_logged(client, route, caplog):
+    body = {
+        **ROUTES[route],
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "object"}, "extra_hint": 1},
+            "format_version": 2,
+        },
+    }
+    with caplog.at_level(logging.WARNING, logger="pagedserve.server.request_fields"):
+        response = client.post(route, json=body)
+    assert response.status_code == 200, response.text
+    assert any(
+        "response_format.format_version, response_format.json_schema.extra_hint, "
+        "stream_options.include_obfuscation" in record.getMessage()
+        for record in caplog.records
+    )
