@@ -14,8 +14,12 @@ from pagedserve.configs import ServerConfig, StructuredOutputs
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.json_input import load_json
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
-from pagedserve.server.tool_parsers import PARSERS, ParsedCall, ToolCallParser
-from pagedserve.server.tool_parsers.base import call_from_object
+from pagedserve.server.tool_parsers import (
+    PARSERS,
+    CallDelta,
+    ForcedCallsParser,
+    ToolCallParser,
+)
 from pagedserve.server.tool_protocol import (
     FunctionCall,
     FunctionCallDelta,
@@ -195,51 +199,48 @@ def _template_call(call_id: str, function: FunctionCall) -> dict[str, Any]:
     }
 
 
-class ForcedCallsParser:
-    """Reads the JSON the constraint forced: a named tool's arguments, or for "required" a list
-    of `{"name", "arguments"}`. Nothing streams as content; a reply cut short (length) is text."""
+class OpenAICalls:
+    """One choice's calls in OpenAI's streamed shape: a call's first piece gets its id, type and
+    name (with empty arguments), its arguments follow as they come. With `max_calls` 1
+    (parallel_tool_calls false under auto: the grammar enforces it for forced calls) the calls
+    after the first are dropped."""
 
-    def __init__(self, named: str | None) -> None:
-        self._named = named
-        self._text = ""
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.num_calls = 0
 
-    def feed(self, text: str) -> str:
-        self._text += text
-        return ""
-
-    def finish(self) -> tuple[str, list[ParsedCall]]:
-        try:
-            value = load_json(self._text)
-        except ValueError:
-            return self._text, []
-        if self._named is not None:
-            return "", [ParsedCall(self._named, json.dumps(value, ensure_ascii=False))]
-        # The list of calls the grammar forced, read as it is: not wrapped in tags and parsed again,
-        # where an argument holding "</tool_call>" would end its block early.
-        calls = [call_from_object(call) for call in value] if isinstance(value, list) else []
-        if not calls or any(call is None for call in calls):
-            return self._text, []
-        return "", [call for call in calls if call is not None]
-
-
-def to_tool_calls(calls: list[ParsedCall]) -> list[ToolCall]:
-    return [
-        ToolCall(
-            id=f"call_{uuid.uuid4().hex[:24]}",
-            function=FunctionCall(name=call.name, arguments=call.arguments),
-        )
-        for call in calls
-    ]
+    def deltas(self, pieces: list[CallDelta]) -> list[ToolCallDelta]:
+        out = []
+        for piece in pieces:
+            if self.max_calls is not None and piece.index >= self.max_calls:
+                continue
+            if piece.name is not None:
+                self.num_calls += 1
+                out.append(
+                    ToolCallDelta(
+                        index=piece.index,
+                        id=f"call_{uuid.uuid4().hex[:24]}",
+                        type="function",
+                        function=FunctionCallDelta(name=piece.name, arguments=""),
+                    )
+                )
+            if piece.arguments:
+                out.append(
+                    ToolCallDelta(
+                        index=piece.index, function=FunctionCallDelta(arguments=piece.arguments)
+                    )
+                )
+        return out
 
 
-def tool_call_deltas(index: int, call: ToolCall) -> list[ToolCallDelta]:
-    """OpenAI's streamed shape of one call: id, type and name (empty arguments), then arguments."""
-    return [
-        ToolCallDelta(
-            index=index,
-            id=call.id,
-            type="function",
-            function=FunctionCallDelta(name=call.function.name, arguments=""),
-        ),
-        ToolCallDelta(index=index, function=FunctionCallDelta(arguments=call.function.arguments)),
-    ]
+def assemble_tool_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
+    """The whole calls that streamed deltas make up (what a client joins them into)."""
+    calls: dict[int, ToolCall] = {}
+    for delta in deltas:
+        if delta.id is not None:
+            name = delta.function.name or ""
+            calls[delta.index] = ToolCall(
+                id=delta.id, function=FunctionCall(name=name, arguments="")
+            )
+        calls[delta.index].function.arguments += delta.function.arguments or ""
+    return [calls[index] for index in sorted(calls)]

@@ -42,8 +42,8 @@ from pagedserve.server.streams import EventStreamResponse, sse_events
 from pagedserve.server.structured import to_structured_outputs
 from pagedserve.server.token_bytes import token_bytes, token_name
 from pagedserve.server.tool_parsers import ToolCallParser
-from pagedserve.server.tool_protocol import ToolCall
-from pagedserve.server.tools import ToolPlan, plan_tools, to_tool_calls, tool_call_deltas
+from pagedserve.server.tool_protocol import ToolCallDelta
+from pagedserve.server.tools import OpenAICalls, ToolPlan, assemble_tool_calls, plan_tools
 
 router = APIRouter()
 
@@ -174,26 +174,32 @@ def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None) -> Structure
 
 
 class _Choice:
-    """One choice's text as it streams; with tools, what its parser lets through."""
+    """One choice's text as it streams; with tools, the content its parser lets through and the
+    pieces of calls it has read."""
 
     def __init__(self, parser: ToolCallParser | None, parallel_calls: bool = True) -> None:
         self.parser = parser
-        self.parallel_calls = parallel_calls  # False: at most one call (OpenAI's field)
+        # parallel_calls False: at most one call (forced calls' grammar enforces it; auto's here)
+        self.calls = OpenAICalls(None if parallel_calls else 1)
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: ChatLogprobs | None = None
         self.finish_reason: str | None = None
 
-    def take(self, text: str) -> str:
-        return self.parser.feed(text) if self.parser is not None else text
+    def take(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self.parser is None:
+            return text, []
+        content, pieces = self.parser.feed(text)
+        return content, self.calls.deltas(pieces)
 
-    def finish(self, finish_reason: str | None) -> tuple[str, list[ToolCall]]:
-        """The held-back text and the calls; "stop" becomes "tool_calls" when there are calls."""
-        tail, calls = self.parser.finish() if self.parser is not None else ("", [])
-        if not self.parallel_calls:  # "required" enforces it in its grammar; auto's parser here
-            calls = calls[:1]
-        self.finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
-        return tail, to_tool_calls(calls)
+    def finish(self, finish_reason: str | None) -> tuple[str, list[ToolCallDelta]]:
+        """The held-back text and the calls' last pieces; "stop" becomes "tool_calls" when the
+        choice made calls."""
+        tail, pieces = self.parser.finish() if self.parser is not None else ("", [])
+        deltas = self.calls.deltas(pieces)
+        made_calls = self.calls.num_calls > 0 and finish_reason == "stop"
+        self.finish_reason = "tool_calls" if made_calls else finish_reason
+        return tail, deltas
 
 
 async def _stream_chunks(
@@ -220,24 +226,24 @@ async def _stream_chunks(
             logprobs = output.logprobs(delta.new_logprobs)
             # Every token's id is sent (return_token_ids), held-back text or not.
             token_ids = list(delta.new_token_ids) if output.token_ids else None
-            text, calls = choice.take(delta.new_text), []
+            text, calls = choice.take(delta.new_text)
             if delta.finished:
-                tail, calls = choice.finish(delta.finish_reason)
-                text += tail
-            if not (text or logprobs or token_ids or delta.finished):
+                tail, last = choice.finish(delta.finish_reason)
+                text, calls = text + tail, calls + last
+            if not (text or logprobs or token_ids or calls or delta.finished):
                 continue  # held back (a partial character, stop string or tool-call tag)
             content = ChatDelta(content=text or None)
             fields = {"logprobs": logprobs, "token_ids": token_ids}
+            finish_reason = choice.finish_reason if delta.finished else None
             if not calls:
-                finish_reason = choice.finish_reason if delta.finished else None
                 yield chunk(delta.index, content, finish_reason=finish_reason, **fields)
                 continue
             if text or logprobs or token_ids:
                 yield chunk(delta.index, content, **fields)
-            for call_index, call in enumerate(calls):  # name first, then the arguments
-                for piece in tool_call_deltas(call_index, call):
-                    yield chunk(delta.index, ChatDelta(tool_calls=[piece]))
-            yield chunk(delta.index, ChatDelta(), finish_reason=choice.finish_reason)
+            for piece in calls:  # a call's id and name first, then its arguments as they come
+                yield chunk(delta.index, ChatDelta(tool_calls=[piece]))
+            if finish_reason is not None:
+                yield chunk(delta.index, ChatDelta(), finish_reason=finish_reason)
     if include_usage:
         yield ChatCompletionChunk(**header, choices=[], usage=recorder.usage()).model_dump_json()
 
@@ -273,9 +279,10 @@ async def _collect(
             choice.finish_reason = delta.finish_reason or choice.finish_reason
     results = []
     for index, choice in enumerate(choices):
-        content = choice.take(choice.text)
-        tail, calls = choice.finish(choice.finish_reason)
+        content, pieces = choice.take(choice.text)
+        tail, last = choice.finish(choice.finish_reason)
         content += tail
+        calls = assemble_tool_calls(pieces + last)
         message = ChatResponseMessage(
             content=None if calls and not content.strip() else content,
             tool_calls=calls or None,

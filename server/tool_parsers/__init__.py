@@ -1,12 +1,13 @@
 """Tool-call parsers: read calls back from a model's text, streamed or whole. One module per
-output convention (vLLM's `--tool-call-parser` names); `json_calls` reads the JSON that the
-structured-output layer forces for `tool_choice` "required" or a named tool."""
+output convention (vLLM's `--tool-call-parser` names); `ForcedCallsParser` reads the JSON that
+the structured-output layer forces for `tool_choice` "required" or a named tool."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from pagedserve.server.tool_parsers.base import ParsedCall, ToolCallParser
+from pagedserve.server.tool_parsers.base import CallDelta, ParsedCall, ToolCallParser
+from pagedserve.server.tool_parsers.forced import ForcedCallsParser
 from pagedserve.server.tool_parsers.hermes import HermesParser
 from pagedserve.server.tool_parsers.llama3_json import Llama3JsonParser
 
@@ -15,4 +16,12 @@ PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "llama3_json": Llama3JsonParser,
 }
 
-__all__ = ["PARSERS", "HermesParser", "Llama3JsonParser", "ParsedCall", "ToolCallParser"]
+__all__ = [
+    "PARSERS",
+    "CallDelta",
+    "ForcedCallsParser",
+    "HermesParser",
+    "Llama3JsonParser",
+    "ParsedCall",
+    "ToolCallParser",
+]

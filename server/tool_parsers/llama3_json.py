@@ -1,12 +1,18 @@
 """Llama 3.x JSON calls: the reply is `{"name": ..., "parameters": {...}}` (optionally after
 `<|python_tag|>`), several separated by `;`. A reply that does not start like one streams as
-text; one that does but does not parse is returned as text at the end."""
+text; one that does but does not parse is returned as text at the end (so its calls, all or
+none, come at the end too)."""
 
 from __future__ import annotations
 
 import json
 
-from pagedserve.server.tool_parsers.base import ParsedCall, call_from_object
+from pagedserve.server.tool_parsers.base import (
+    CallDelta,
+    ParsedCall,
+    call_from_object,
+    whole_calls,
+)
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -16,27 +22,24 @@ class Llama3JsonParser:
         self._text = ""
         self._decided: bool | None = None  # True: the reply is calls (held); False: plain text
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._text += text
         if self._decided is None:
             stripped = self._text.lstrip()
             if not stripped or PYTHON_TAG.startswith(stripped):
-                return ""  # too early to tell
+                return "", []  # too early to tell
             self._decided = stripped.startswith(("{", PYTHON_TAG))
-            if not self._decided:
-                shown, self._text = self._text, ""
-                return shown
         if self._decided:
-            return ""
+            return "", []
         shown, self._text = self._text, ""
-        return shown
+        return shown, []
 
-    def finish(self) -> tuple[str, list[ParsedCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
         text, self._text = self._text, ""
         if not self._decided:
             return text, []
         calls = _parse_calls(text.strip().removeprefix(PYTHON_TAG))
-        return ("", calls) if calls else (text, [])
+        return ("", whole_calls(calls)) if calls else (text, [])
 
 
 def _parse_calls(text: str) -> list[ParsedCall]:

@@ -1,5 +1,6 @@
 """Tool-call parsers on model-like outputs: whole and streamed in every chunk split, calls and
-content come back the same; malformed calls stay content (never an error)."""
+content come back the same; malformed calls stay content (never an error); calls stream as soon
+as each parser can stand by them."""
 
 from __future__ import annotations
 
@@ -7,8 +8,14 @@ import json
 
 import pytest
 
-from pagedserve.server.tool_parsers import HermesParser, Llama3JsonParser, ParsedCall
-from pagedserve.server.tools import ForcedCallsParser
+from pagedserve.server.tool_parsers import (
+    CallDelta,
+    ForcedCallsParser,
+    HermesParser,
+    Llama3JsonParser,
+    ParsedCall,
+)
+from pagedserve.server.tool_parsers.base import assemble
 
 WEATHER = ParsedCall("get_weather", '{"city": "Paris"}')
 ADD = ParsedCall("add", '{"a": 1, "b": 2}')
@@ -30,9 +37,12 @@ HERMES_CASES = [
 
 
 def _run(parser, pieces: list[str]) -> tuple[str, list[ParsedCall]]:
-    shown = "".join(parser.feed(piece) for piece in pieces)
-    tail, calls = parser.finish()
-    return shown + tail, calls
+    shown, deltas = "", []
+    for piece in pieces:
+        text, more = parser.feed(piece)
+        shown, deltas = shown + text, deltas + more
+    tail, more = parser.finish()
+    return shown + tail, assemble(deltas + more)
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), HERMES_CASES)
@@ -43,12 +53,18 @@ def test_hermes_parser_reads_calls_and_content_in_every_chunk_split(text, conten
         assert _run(HermesParser(), pieces) == (content, calls), size
 
 
-def test_hermes_parser_streams_text_before_a_call_and_holds_a_partial_tag():
+def test_hermes_parser_streams_text_before_a_call_and_each_call_as_its_block_closes():
     parser = HermesParser()
-    assert parser.feed("Sure <tool") == "Sure "
-    assert parser.feed("_call>{") == ""
-    assert parser.feed('"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>') == ""
-    assert parser.finish() == ("", [ADD])
+    assert parser.feed("Sure <tool") == ("Sure ", [])
+    assert parser.feed("_call>{") == ("", [])
+    assert parser.feed('"name": "add", "arguments": {"a": 1, "b": 2}}</tool_') == ("", [])
+    assert parser.feed("call>\n<tool_call>") == ("", [CallDelta(0, ADD.name, ADD.arguments)])
+    body = json.dumps({"name": WEATHER.name, "arguments": json.loads(WEATHER.arguments)})
+    assert parser.feed(body + "</tool_call>") == (
+        "",
+        [CallDelta(1, WEATHER.name, WEATHER.arguments)],
+    )
+    assert parser.finish() == ("", [])
 
 
 @pytest.mark.parametrize(
@@ -71,14 +87,61 @@ def test_llama3_json_parser_reads_calls_or_returns_text(text, content, calls):
         assert _run(Llama3JsonParser(), pieces) == (content, calls)
 
 
+REQUIRED = json.dumps(
+    [
+        {"name": "add", "arguments": {"a": 1, "b": 2}},
+        {"name": "note", "arguments": {"text": 'a "}] {[" \\', "list": [1, {}]}},
+    ]
+)
+NOTE = ParsedCall("note", json.dumps({"text": 'a "}] {[" \\', "list": [1, {}]}))
+
+
 def test_forced_calls_parser_reads_named_arguments_and_required_lists():
     named = ForcedCallsParser("get_weather")
     assert _run(named, ['{"city": ', '"Paris"}']) == ("", [WEATHER])
-    required = ForcedCallsParser(None)
-    text = json.dumps([{"name": "add", "arguments": {"a": 1, "b": 2}}])
-    assert _run(required, [text]) == ("", [ADD])
-    cut = ForcedCallsParser(None)  # max_tokens cut the JSON: it stays text
+    for size in (1, 3, len(REQUIRED)):  # strings holding brackets, quotes and backslashes
+        pieces = [REQUIRED[i : i + size] for i in range(0, len(REQUIRED), size)]
+        assert _run(ForcedCallsParser(None), pieces) == ("", [ADD, NOTE]), size
+    cut = ForcedCallsParser(None)  # max_tokens cut the JSON before any name: it stays text
     assert _run(cut, ['[{"name": "ad']) == ('[{"name": "ad', [])
+
+
+def test_forced_calls_stream_the_name_as_soon_as_it_is_written_then_the_arguments():
+    named = ForcedCallsParser("get_weather")
+    assert named.feed('{"city": ') == ("", [CallDelta(0, "get_weather", '{"city": ')])
+    assert named.feed('"Paris"}') == ("", [CallDelta(0, None, '"Paris"}')])
+    assert named.finish() == ("", [])
+    required = ForcedCallsParser(None)
+    assert required.feed('[{"name": "ad') == ("", [])
+    assert required.feed('d", "arguments": {"a"') == (
+        "",
+        [CallDelta(0, "add", ""), CallDelta(0, None, '{"a"')],
+    )
+    assert required.feed(": 1, ") == ("", [CallDelta(0, None, ": 1, ")])
+    assert required.feed('"b": 2}}, {"name": "get_weather", "arg') == (
+        "",
+        [CallDelta(0, None, '"b": 2}'), CallDelta(1, "get_weather", "")],
+    )
+    assert required.feed('uments": {"city": "Paris"}}]') == (
+        "",
+        [CallDelta(1, None, '{"city": "Paris"}')],
+    )
+    assert required.finish() == ("", [])
+
+
+def test_forced_calls_read_arguments_written_before_the_name_once_it_comes():
+    text = '[{"arguments": {"a": 1, "b": 2}, "name": "add"}]'
+    parser = ForcedCallsParser(None)
+    assert parser.feed(text[:30]) == ("", [])
+    assert parser.feed(text[30:]) == ("", [CallDelta(0, "add", '{"a": 1, "b": 2}')])
+
+
+def test_a_forced_reply_cut_short_keeps_the_calls_it_began():
+    # max_tokens cut the list inside the second call's arguments (finish_reason "length").
+    cut = REQUIRED[: REQUIRED.index("list")]
+    content, calls = _run(ForcedCallsParser(None), [cut])
+    assert content == "" and calls[0] == ADD
+    assert calls[1].name == "note" and NOTE.arguments.startswith(calls[1].arguments)
 
 
 def test_forced_calls_parser_keeps_a_call_whose_argument_holds_the_closing_tag():
@@ -88,8 +151,8 @@ def test_forced_calls_parser_keeps_a_call_whose_argument_holds_the_closing_tag()
     assert _run(ForcedCallsParser(None), [text]) == ("", [expected])
 
 
-def test_forced_calls_parser_leaves_a_list_that_is_not_calls_as_text():
-    text = json.dumps([{"name": "add", "arguments": {"a": 1}}, {"no": "name"}])
+def test_forced_calls_parser_leaves_a_list_that_names_no_call_as_text():
+    text = json.dumps([{"no": "name", "arguments": {"a": 1}}, {"name": 3}])
     assert _run(ForcedCallsParser(None), [text]) == (text, [])
 
 

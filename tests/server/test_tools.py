@@ -226,3 +226,65 @@ def test_forced_arguments_are_an_object_whatever_else_the_schema_allows(
     assert _chat(client, tools=[tool], tool_choice=choice).status_code == 200
     [(_, _, params)] = engine.requests
     assert json.loads(params.structured_outputs.spec) == {**parameters, "type": "object"}
+
+
+def _stream_events(response) -> list[dict]:
+    lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("mode", ["named", "required"])
+def test_forced_calls_stream_their_arguments_as_the_model_writes_them(
+    client, engine: FakeEngine, mode
+):
+    arguments = '{"city": "Paris"}'
+    if mode == "named":
+        engine.script = arguments  # the fake engine writes a character a step
+        choice = {"type": "function", "function": {"name": "get_weather"}}
+    else:
+        engine.script = f'[{{"name": "get_weather", "arguments": {arguments}}}]'
+        choice = "required"
+    fields = {"tools": [WEATHER], "tool_choice": choice, "max_tokens": len(engine.script) + 1}
+    events = _stream_events(_chat(client, stream=True, **fields))
+    pieces = [
+        piece for event in events for piece in event["choices"][0]["delta"].get("tool_calls", [])
+    ]
+    header, *rest = pieces
+    assert header["id"].startswith("call_") and header["function"]["name"] == "get_weather"
+    assert len(rest) >= len(arguments) - 1  # the arguments came in many pieces, not one
+    assert "".join(piece["function"]["arguments"] for piece in rest) == arguments
+    assert all(piece["index"] == 0 and "id" not in piece for piece in rest)
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    whole = _chat(client, **fields).json()["choices"][0]
+    assert whole["message"]["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": arguments,
+    }
+    assert whole["finish_reason"] == "tool_calls"
+
+
+def test_a_named_call_cut_short_by_max_tokens_keeps_its_unfinished_arguments(
+    client, engine: FakeEngine
+):
+    engine.script = '{"city": "Paris"}'
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole = _chat(client, tools=[WEATHER], tool_choice=choice, max_tokens=5).json()["choices"][0]
+    assert whole["finish_reason"] == "length"
+    assert whole["message"]["tool_calls"][0]["function"]["arguments"] == '{"cit'
+
+
+def test_auto_streams_each_call_when_its_block_closes(client_with, engine: FakeEngine):
+    client = client_with(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "P"}}</tool_call>'
+    engine.script = call + call.replace('"P"', '"Q"')
+    fields = {"max_tokens": 2 * len(call) + 1, "stream": True, "return_token_ids": True}
+    events = _stream_events(_chat(client, tools=[WEATHER], **fields))[1:]  # after the role's
+    tokens_before, num_tokens = [], 0  # per call: the tokens streamed before it
+    for event in events:
+        (choice,) = event["choices"]
+        if choice["delta"].get("tool_calls", [{}])[0].get("id"):
+            tokens_before.append(num_tokens)
+        num_tokens += len(choice.get("token_ids", []))
+    # One character a step: each call went out as its block closed, not at the end.
+    assert tokens_before == [len(call), 2 * len(call)]
