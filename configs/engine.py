@@ -65,6 +65,11 @@ class ModelConfig(_Section):
         None, description="name reported by /v1/models (default: the model name)"
     )
     tokenizer: str | None = Field(None, description="tokenizer folder or id (default: the model's)")
+    chat_template: str | None = Field(
+        None,
+        description="a Jinja chat template, or a file holding one, used instead of the "
+        "tokenizer's (as vLLM's --chat-template; for models that ship none)",
+    )
     # auto, as vLLM: bfloat16 where the hardware computes it natively (2x the float32 speed on an
     # AMX CPU), float32 elsewhere. --dtype float32 is the setting that is token-identical to HF.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -30,6 +30,7 @@ from transformers import (
 from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_native_bf16
 from pagedserve.cache.cache_engine import TORCH_DTYPES
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
+from pagedserve.engine.chat_template import load_tokenizer
 from pagedserve.engine.direct_layer import can_use_direct_layers, use_direct_layers
 from pagedserve.engine.fused_attention import can_fuse_attention, fuse_attention
 from pagedserve.engine.fused_mlp import can_fuse_mlps, fuse_mlps
@@ -195,6 +196,7 @@ def load_model(
     if model_config.tokenizer:
         tokenizer_path, _ = resolve_model_path(model_config.tokenizer, "tokenizer")
     dtype = resolve_dtype(model_config.dtype, device)
+    tokenizer = load_tokenizer(tokenizer_path, model_config)  # first: a bad template fails fast
     model = AutoModelForCausalLM.from_pretrained(
         model_path,
         dtype=dtype,
@@ -204,9 +206,6 @@ def load_model(
     )
     model.to(device).eval()
     swap_cpu_modules(model, model_config.cpu_float32_linear)
-    tokenizer = AutoTokenizer.from_pretrained(
-        tokenizer_path, trust_remote_code=model_config.trust_remote_code, local_files_only=True
-    )
     max_model_len = _max_model_len(model.config, model_config.max_model_len)
     logger.info(
         "loaded %s (%s, %s) from %s, max_model_len=%d",

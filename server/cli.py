@@ -232,9 +232,12 @@ def _checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     try:
         config = config_from_args(args)
         if args.command in ("serve", "generate"):
+            from pagedserve.engine.chat_template import read_chat_template
             from pagedserve.engine.model_loader import check_model_found  # imports torch
 
             check_model_found(config.model)  # a typo: one line here, not a traceback later
+            if config.model.chat_template is not None:
+                read_chat_template(config.model.chat_template)
         return config
     except ValidationError as exc:  # one line per run, naming each field
         parser.error(

@@ -242,3 +242,18 @@ def test_converted_model_logits_equal_the_gguf_model(converted_cache, monkeypatc
         # The loader's CPU fast paths (fused norms, MLPs, attention; oneDNN and skinny linears)
         # on the same weights: float32 rounding apart.
         torch.testing.assert_close(loaded.model(input_ids).logits, expected, rtol=0, atol=5e-4)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+)
+
+
+def test_the_loaded_tokenizer_renders_the_configured_chat_template(tiny_model_dir: Path, tmp_path):
+    path = tmp_path / "chat.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    config = ModelConfig(model=str(tiny_model_dir), chat_template=str(path))
+    tokenizer = load_model(config, "cpu").tokenizer
+    conversation = [{"role": "user", "content": "hi there"}]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    assert text == "[user] hi there\n[assistant]"

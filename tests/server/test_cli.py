@@ -173,3 +173,17 @@ def test_a_setting_the_engine_refuses_at_startup_is_one_line_and_exit_status_3()
     assert done.returncode == 3
     assert "ValueError: the KV cache budget (100 bytes) holds no block" in done.stderr
     assert "Traceback" not in done.stderr and "Application startup failed" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [("/no/such/chat.jinja", "cannot read"), ("{% if %}", "does not parse")],
+)
+def test_a_chat_template_that_cannot_be_used_is_a_usage_error_before_anything_starts(
+    capsys, monkeypatch, template, message
+):
+    monkeypatch.setattr("pagedserve.server.cli._serve", lambda *a: pytest.fail("started"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--chat-template", template])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
