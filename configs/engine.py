@@ -195,6 +195,16 @@ class ServerConfig(_Section):
         1 << 20, ge=1024, description="largest accepted request body"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    allowed_origins: str | None = Field(
+        None,
+        description="origins whose web pages may call the API from a browser (CORS), "
+        "comma-separated, or * for any (default: none; vLLM allows any)",
+    )
+    root_path: str = Field(
+        "", description="the path prefix a proxy serves the API under (ASGI root_path)"
+    )
+    ssl_keyfile: str | None = Field(None, description="serve HTTPS with this private key file")
+    ssl_certfile: str | None = Field(None, description="serve HTTPS with this certificate file")
     enable_auto_tool_choice: bool = Field(
         False, description="let the model decide to call tools (tool_choice auto; as vLLM)"
     )
@@ -216,6 +226,16 @@ class ServerConfig(_Section):
         if self.enable_engine_state is not None:
             return self.enable_engine_state
         return is_loopback_host(self.host)
+
+    @property
+    def cors_origins(self) -> list[str]:
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
+
+    @model_validator(mode="after")
+    def _key_and_certificate_together(self) -> ServerConfig:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile")
+        return self
 
     @field_validator("api_key")
     @classmethod

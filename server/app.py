@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from pagedserve.configs import EngineConfig
 from pagedserve.engine.client import EngineClient
@@ -74,10 +75,18 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
     for family in (completions, chat, models, tokenize, system, router_support, engine_state):
         app.include_router(family.router)
     install_exception_handlers(app)
-    # Added innermost first: context (outermost) -> auth -> body limit -> app, so that
-    # unauthenticated clients are turned away before their body is read.
+    # Added innermost first: CORS (outermost, when on) -> context -> auth -> body limit -> app,
+    # so that unauthenticated clients are turned away before their body is read.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.server.max_request_body_bytes)
     if config.server.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key)
     app.add_middleware(RequestContextMiddleware)
+    if config.server.cors_origins:  # outermost: preflights are answered before auth
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.server.cors_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],  # Authorization and Content-Type among them
+            expose_headers=["x-request-id"],
+        )
     return app

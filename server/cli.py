@@ -196,6 +196,9 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
             port=config.server.port,
             log_level=config.server.log_level,
             timeout_graceful_shutdown=grace_s + 5,
+            root_path=config.server.root_path,
+            ssl_keyfile=config.server.ssl_keyfile,
+            ssl_certfile=config.server.ssl_certfile,
         ),
         grace_s,
     )

@@ -22,6 +22,13 @@ from pagedserve.server.routes.engine_state import DASHBOARD_FILES
 UNGUARDED_PATHS = frozenset({"/health", "/version", "/metrics", *DASHBOARD_FILES})
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes see: behind `--root-path`, uvicorn puts the prefix in front of the
+    path (and in `root_path`); the routes, and these checks, are written without it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] or "/" if root and path.startswith(root) else path
+
+
 class RequestContextMiddleware:
     """Gives each request an id (`request.state.request_id`, echoed as `x-request-id`) and its
     arrival time: `request.state.arrival_time` (monotonic), from which latency metrics count, and
@@ -58,7 +65,7 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in UNGUARDED_PATHS:
+        if scope["type"] != "http" or route_path(scope) in UNGUARDED_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -39,9 +40,14 @@ class ServerProcess:
         wait: bool = True,
         drop_env: tuple[str, ...] = (),
         log_level: str = "warning",
+        ca_file: str | None = None,
     ) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # With --ssl-* flags: HTTPS, its certificate checked against `ca_file`.
+        self.verify: ssl.SSLContext | bool = (
+            ssl.create_default_context(cafile=ca_file) if ca_file else True
+        )
+        self.url = f"{'https' if ca_file else 'http'}://127.0.0.1:{self.port}"
         log_fd, self.log_path = tempfile.mkstemp(prefix="pagedserve-test-", suffix=".log")
         environ = {name: value for name, value in os.environ.items() if name not in drop_env}
         environ["PYTHONPATH"] = str(REPO_ROOT)
@@ -80,7 +86,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.process.poll() is None:
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                health = httpx.get(f"{self.url}/health", timeout=2, verify=self.verify)
+                if health.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -102,7 +102,7 @@ async def get_engine_state(request: Request) -> Response:
 
 async def _dashboard_file(request: Request) -> Response:
     _require_enabled(request)
-    name, media_type = DASHBOARD_FILES[request.url.path]
+    name, media_type = DASHBOARD_FILES[request.scope["route"].path]
     content = (files("pagedserve.server") / "static" / name).read_bytes()
     return Response(content, media_type=media_type, headers=_DASHBOARD_HEADERS)
 

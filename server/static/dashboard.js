@@ -41,7 +41,7 @@ async function poll() {
   let state = null;
   try {
     const headers = ui.apiKey ? { Authorization: `Bearer ${ui.apiKey}` } : {};
-    const response = await fetch("/v1/engine/state", { headers, cache: "no-store" });
+    const response = await fetch("v1/engine/state", { headers, cache: "no-store" });
     if (response.ok) {
       state = await response.json();
       delay = POLL_MS;
