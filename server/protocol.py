@@ -261,6 +261,10 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    # vLLM's: the reply starts with the last message's text when it is the assistant's (a
+    # prefill continued with continue_final_message), and the rendered prompt comes back.
+    echo: bool = False
+    return_prompt_text: bool = False
 
 
 class TokenizeRequest(_Request):
@@ -327,7 +331,7 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-_ON_REQUEST = ("prompt_logprobs", "prompt_token_ids", "token_ids")
+_ON_REQUEST = ("prompt_logprobs", "prompt_token_ids", "token_ids", "prompt_text")
 
 
 def _drop_unasked(data: dict[str, Any]) -> dict[str, Any]:
@@ -411,6 +415,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids
+    prompt_text: str | None = None  # return_prompt_text: the chat template's output
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
@@ -448,6 +453,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: on each choice's first chunk
+    prompt_text: str | None = None  # return_prompt_text: on each choice's first chunk
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

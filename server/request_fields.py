@@ -38,7 +38,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "documents": ([],),
     "functions": ([],),  # OpenAI's deprecated function calling: `tools` replaces it
     "function_call": (),
-    "echo": (False,),  # chat only: completions declares its own `echo`
 }
 # vLLM's structured_outputs options beyond the constraint itself. Our JSON grammars are compact and,
 # under a schema, closed to undeclared properties (engine/structured_outputs/compiler.py): output

@@ -63,6 +63,8 @@ class _Output:
     num_top: int  # alternatives per token, when logprobs are on
     tokens_as_ids: bool  # return_tokens_as_token_ids: logprob tokens named "token_id:<id>"
     prompt_token_ids: list[int] | None  # return_token_ids: the prompt's (else None)
+    prompt_text: str | None  # return_prompt_text: the rendered prompt (else None)
+    echo: str  # echo: the text every choice's content starts with ("" if none)
 
     @property
     def token_ids(self) -> bool:
@@ -152,12 +154,21 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         num_top or 0,
         body.return_tokens_as_token_ids,
         prompt.token_ids if body.return_token_ids else None,
+        prompt.text if body.return_prompt_text else None,
+        _echo(body),
     )
     if body.stream:
         chunks = _stream_chunks(stream, header, output, choices, recorder, body.include_usage)
         return EventStreamResponse(sse_events(chunks))
     response = await _collect(stream, header, output, choices, recorder, body.prompt_logprobs)
     return JSONResponse(response.model_dump())
+
+
+def _echo(body: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text when it is the assistant's (the reply's role:
+    a prefill the model continues), else nothing."""
+    last = body.messages[-1]
+    return last.text if body.echo and last.role == "assistant" else ""
 
 
 def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None) -> StructuredOutputs | None:
@@ -212,15 +223,18 @@ async def _stream_chunks(
 ) -> AsyncIterator[str]:
     exclude = None if include_usage else {"usage"}  # "usage": null only when usage is asked for
 
-    def chunk(index: int, delta: ChatDelta, prompt_token_ids: Any = None, **fields: Any) -> str:
+    def chunk(index: int, delta: ChatDelta, first: bool = False, **fields: Any) -> str:
         choice = ChatChunkChoice(index=index, delta=delta, **fields)
+        prompt = {"prompt_token_ids": output.prompt_token_ids, "prompt_text": output.prompt_text}
         return ChatCompletionChunk(
-            **header, choices=[choice], prompt_token_ids=prompt_token_ids
+            **header, choices=[choice], **(prompt if first else {})
         ).model_dump_json(exclude=exclude)
 
     async with aclosing(stream):
         for index in range(len(choices)):  # OpenAI's first chunk of every choice: the role
-            yield chunk(index, ChatDelta(role="assistant", content=""), output.prompt_token_ids)
+            yield chunk(index, ChatDelta(role="assistant", content=""), first=True)
+            if output.echo:
+                yield chunk(index, ChatDelta(content=output.echo))
         async for _, delta in stream:
             choice = choices[delta.index]
             logprobs = output.logprobs(delta.new_logprobs)
@@ -281,7 +295,7 @@ async def _collect(
     for index, choice in enumerate(choices):
         content, pieces = choice.take(choice.text)
         tail, last = choice.finish(choice.finish_reason)
-        content += tail
+        content = output.echo + content + tail
         calls = assemble_tool_calls(pieces + last)
         message = ChatResponseMessage(
             content=None if calls and not content.strip() else content,
@@ -302,4 +316,5 @@ async def _collect(
         usage=recorder.usage(),
         prompt_logprobs=prompt_logprobs,
         prompt_token_ids=output.prompt_token_ids,
+        prompt_text=output.prompt_text,
     )

@@ -3,6 +3,7 @@ and tokenization controls (server/prompts.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -37,9 +38,9 @@ def test_an_unsupported_field_that_asks_for_something_is_a_400_naming_it(
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"), ("echo", True)],
+    [("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto")],
 )
-def test_chat_refuses_legacy_function_calling_and_echo(client, field, value):
+def test_chat_refuses_legacy_function_calling(client, field, value):
     response = client.post(
         "/v1/chat/completions", json={**ROUTES["/v1/chat/completions"], field: value}
     )
@@ -299,3 +300,47 @@ def test_unknown_keys_of_the_option_objects_are_ignored_and_logged(client, route
         "stream_options.include_obfuscation" in record.getMessage()
         for record in caplog.records
     )
+
+
+# --- chat echo and the rendered prompt ------------------------------------------------------------
+
+PREFILL = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "Well,"},
+]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+def test_chat_echo_starts_the_reply_with_the_assistant_prefill(client):
+    body = {"messages": PREFILL, "max_tokens": 2, "echo": True, **CONTINUE}
+    response = client.post("/v1/chat/completions", json=body).json()
+    assert response["choices"][0]["message"]["content"] == "Well,ab"  # the fake writes "ab..."
+    assert response["usage"]["completion_tokens"] == 2  # the echo is not generated
+    # After a user's turn there is nothing of the reply's own to echo.
+    plain = {"messages": USER, "max_tokens": 2, "echo": True}
+    assert (
+        client.post("/v1/chat/completions", json=plain).json()["choices"][0]["message"]["content"]
+        == "ab"
+    )
+
+
+def test_streamed_chat_echo_follows_the_role_chunk(client):
+    body = {"messages": PREFILL, "max_tokens": 2, "echo": True, "stream": True, **CONTINUE}
+    text = client.post("/v1/chat/completions", json=body).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line[6:].startswith("{")]
+    deltas = [event["choices"][0]["delta"] for event in events]
+    assert deltas[0]["role"] == "assistant" and deltas[1] == {"content": "Well,"}
+    assert "".join(delta.get("content", "") for delta in deltas) == "Well,ab"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_prompt_text_gives_the_rendered_chat_prompt(client, stream):
+    body = {"messages": USER, "max_tokens": 2, "return_prompt_text": True, "stream": stream}
+    response = client.post("/v1/chat/completions", json=body)
+    rendered = "<user>hi\n<assistant>"  # the fake engine's template
+    if not stream:
+        assert response.json()["prompt_text"] == rendered
+        return
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line[6:7] == "{"]
+    assert events[0]["prompt_text"] == rendered
+    assert all("prompt_text" not in event for event in events[1:])
