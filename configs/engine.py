@@ -213,6 +213,11 @@ class ServerConfig(_Section):
         description="how tool calls are read from free output (with auto tool choice; default: "
         "none, required with it)",
     )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None,
+        description="return a thinking model's <think> part as the chat message's `reasoning` "
+        "(as vLLM's; default: none, it stays in the content)",
+    )
     # The state lists request ids and block tables (no text): fine on a loopback bind, a choice to
     # make on a public one.
     enable_engine_state: bool | None = Field(

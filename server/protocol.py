@@ -265,6 +265,7 @@ class ChatCompletionRequest(SamplingFields):
     # prefill continued with continue_final_message), and the rendered prompt comes back.
     echo: bool = False
     return_prompt_text: bool = False
+    include_reasoning: bool = True  # vLLM's: false leaves a --reasoning-parser's part out
 
 
 class TokenizeRequest(_Request):
@@ -385,12 +386,14 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None  # vLLM's, with a --reasoning-parser (server/reasoning.py)
 
     @model_serializer(mode="wrap")
-    def _calls_when_present(self, handler: Any) -> dict[str, Any]:
+    def _when_present(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -425,6 +428,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # vLLM's, with a --reasoning-parser
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedserve.configs import StructuredOutputs
 from pagedserve.engine.outputs import TokenLogprob
+from pagedserve.server.chat_choice import ChatChoiceText
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, Item, start_generation
 from pagedserve.server.logprobs import prompt_logprobs_body
@@ -36,14 +37,13 @@ from pagedserve.server.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
+from pagedserve.server.reasoning import ReasoningSplitter, opens_in_reasoning
 from pagedserve.server.recorder import RequestRecorder
 from pagedserve.server.request_fields import check_request_fields
 from pagedserve.server.streams import EventStreamResponse, sse_events
 from pagedserve.server.structured import to_structured_outputs
 from pagedserve.server.token_bytes import token_bytes, token_name
-from pagedserve.server.tool_parsers import ToolCallParser
-from pagedserve.server.tool_protocol import ToolCallDelta
-from pagedserve.server.tools import OpenAICalls, ToolPlan, assemble_tool_calls, plan_tools
+from pagedserve.server.tools import ToolPlan, assemble_tool_calls, plan_tools
 
 router = APIRouter()
 
@@ -65,6 +65,7 @@ class _Output:
     prompt_token_ids: list[int] | None  # return_token_ids: the prompt's (else None)
     prompt_text: str | None  # return_prompt_text: the rendered prompt (else None)
     echo: str  # echo: the text every choice's content starts with ("" if none)
+    show_reasoning: bool = True  # include_reasoning
 
     @property
     def token_ids(self) -> bool:
@@ -119,6 +120,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         requested, None, len(prompt.token_ids), engine.max_model_len, "messages", max_tokens_param
     )
     num_top = _logprobs_count(body)
+    _check_hidden_reasoning(body, request.app.state.config.server.reasoning_parser)
     if body.stream and body.prompt_logprobs is not None:  # as vLLM
         raise invalid_request("prompt_logprobs is not available when streaming.", "prompt_logprobs")
     params = body.to_sampling_params(
@@ -145,8 +147,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         "created": request.state.created,  # arrival, not the first token
         "model": engine.model_name,
     }
+    reasoning_parser = request.app.state.config.server.reasoning_parser
     choices = [
-        _Choice(plan.new_parser() if plan else None, body.parallel_tool_calls)
+        ChatChoiceText(
+            plan.new_parser() if plan else None,
+            ReasoningSplitter(opens_in_reasoning(reasoning_parser, prompt.text))
+            if reasoning_parser
+            else None,
+            body.parallel_tool_calls,
+        )
         for _ in range(params.n)
     ]
     output = _Output(
@@ -156,12 +165,25 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         prompt.token_ids if body.return_token_ids else None,
         prompt.text if body.return_prompt_text else None,
         _echo(body),
+        body.include_reasoning,
     )
     if body.stream:
         chunks = _stream_chunks(stream, header, output, choices, recorder, body.include_usage)
         return EventStreamResponse(sse_events(chunks))
     response = await _collect(stream, header, output, choices, recorder, body.prompt_logprobs)
     return JSONResponse(response.model_dump())
+
+
+def _check_hidden_reasoning(body: ChatCompletionRequest, reasoning_parser: str | None) -> None:
+    """With the reasoning left out (include_reasoning false), the per-token fields would still
+    spell it: refused rather than answered with them silently dropped."""
+    if reasoning_parser is None or body.include_reasoning:
+        return
+    for name in ("logprobs", "return_token_ids"):
+        if getattr(body, name):
+            raise invalid_request(
+                f"{name} would reveal the reasoning that include_reasoning false leaves out.", name
+            )
 
 
 def _echo(body: ChatCompletionRequest) -> str:
@@ -184,40 +206,11 @@ def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None) -> Structure
     return plan.constraint
 
 
-class _Choice:
-    """One choice's text as it streams; with tools, the content its parser lets through and the
-    pieces of calls it has read."""
-
-    def __init__(self, parser: ToolCallParser | None, parallel_calls: bool = True) -> None:
-        self.parser = parser
-        # parallel_calls False: at most one call (forced calls' grammar enforces it; auto's here)
-        self.calls = OpenAICalls(None if parallel_calls else 1)
-        self.text = ""
-        self.token_ids: list[int] = []
-        self.logprobs: ChatLogprobs | None = None
-        self.finish_reason: str | None = None
-
-    def take(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        if self.parser is None:
-            return text, []
-        content, pieces = self.parser.feed(text)
-        return content, self.calls.deltas(pieces)
-
-    def finish(self, finish_reason: str | None) -> tuple[str, list[ToolCallDelta]]:
-        """The held-back text and the calls' last pieces; "stop" becomes "tool_calls" when the
-        choice made calls."""
-        tail, pieces = self.parser.finish() if self.parser is not None else ("", [])
-        deltas = self.calls.deltas(pieces)
-        made_calls = self.calls.num_calls > 0 and finish_reason == "stop"
-        self.finish_reason = "tool_calls" if made_calls else finish_reason
-        return tail, deltas
-
-
 async def _stream_chunks(
     stream: AsyncIterator[Item],
     header: dict[str, Any],
     output: _Output,
-    choices: list[_Choice],
+    choices: list[ChatChoiceText],
     recorder: RequestRecorder,
     include_usage: bool,
 ) -> AsyncIterator[str]:
@@ -240,22 +233,23 @@ async def _stream_chunks(
             logprobs = output.logprobs(delta.new_logprobs)
             # Every token's id is sent (return_token_ids), held-back text or not.
             token_ids = list(delta.new_token_ids) if output.token_ids else None
-            text, calls = choice.take(delta.new_text)
+            piece = choice.take(delta.new_text)
             if delta.finished:
-                tail, last = choice.finish(delta.finish_reason)
-                text, calls = text + tail, calls + last
-            if not (text or logprobs or token_ids or calls or delta.finished):
-                continue  # held back (a partial character, stop string or tool-call tag)
-            content = ChatDelta(content=text or None)
+                piece += choice.finish(delta.finish_reason)
+            reasoning = piece.reasoning if output.show_reasoning else ""
+            text, calls = piece.content, piece.calls
+            if not (reasoning or text or logprobs or token_ids or calls or delta.finished):
+                continue  # held back (a partial character, stop string, tag or hidden reasoning)
+            content = ChatDelta(content=text or None, reasoning=reasoning or None)
             fields = {"logprobs": logprobs, "token_ids": token_ids}
             finish_reason = choice.finish_reason if delta.finished else None
             if not calls:
                 yield chunk(delta.index, content, finish_reason=finish_reason, **fields)
                 continue
-            if text or logprobs or token_ids:
+            if reasoning or text or logprobs or token_ids:
                 yield chunk(delta.index, content, **fields)
-            for piece in calls:  # a call's id and name first, then its arguments as they come
-                yield chunk(delta.index, ChatDelta(tool_calls=[piece]))
+            for call in calls:  # a call's id and name first, then its arguments as they come
+                yield chunk(delta.index, ChatDelta(tool_calls=[call]))
             if finish_reason is not None:
                 yield chunk(delta.index, ChatDelta(), finish_reason=finish_reason)
     if include_usage:
@@ -266,7 +260,7 @@ async def _collect(
     stream: AsyncIterator[Item],
     header: dict[str, Any],
     output: _Output,
-    choices: list[_Choice],
+    choices: list[ChatChoiceText],
     recorder: RequestRecorder,
     num_prompt_top: int | None,
 ) -> ChatCompletionResponse:
@@ -293,13 +287,14 @@ async def _collect(
             choice.finish_reason = delta.finish_reason or choice.finish_reason
     results = []
     for index, choice in enumerate(choices):
-        content, pieces = choice.take(choice.text)
-        tail, last = choice.finish(choice.finish_reason)
-        content = output.echo + content + tail
-        calls = assemble_tool_calls(pieces + last)
+        piece = choice.take(choice.text) + choice.finish(choice.finish_reason)
+        content = output.echo + piece.content
+        calls = assemble_tool_calls(piece.calls)
+        reasoning = piece.reasoning if output.show_reasoning else ""
         message = ChatResponseMessage(
-            content=None if calls and not content.strip() else content,
+            content=None if (calls or piece.reasoning) and not content.strip() else content,
             tool_calls=calls or None,
+            reasoning=reasoning or None,
         )
         results.append(
             ChatChoice(

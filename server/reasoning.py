@@ -1,0 +1,75 @@
+"""Reasoning parsers (vLLM's `--reasoning-parser`): a thinking model writes its reasoning between
+`<think>` and `</think>`, then its answer. The chat route returns the two apart: the reasoning in
+the message's (or delta's) `reasoning` field, as vLLM does, the rest as `content` (which a tool
+parser then reads).
+
+- `deepseek_r1`: the reply starts inside the reasoning (R1's template opens `<think>` in the
+  prompt; a `<think>` the model writes anyway is dropped). A reply that never closes it is all
+  reasoning.
+- `qwen3`: the reply is reasoning only inside a think block: one the model opens at its start, or
+  one the rendered prompt left open (Qwen3's thinking-only templates). Otherwise (thinking off,
+  `enable_thinking: false`) it is all content.
+
+Tags split across chunks are held back until they can be told apart from text.
+"""
+
+from __future__ import annotations
+
+from pagedserve.server.tool_parsers.base import held_back
+
+OPEN, CLOSE = "<think>", "</think>"
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+def opens_in_reasoning(parser: str, prompt_text: str) -> bool:
+    """Whether the reply starts inside a think block."""
+    if parser == "deepseek_r1":
+        return True
+    return prompt_text.rfind(OPEN) > prompt_text.rfind(CLOSE)  # the prompt left one open
+
+
+class ReasoningSplitter:
+    """Splits one choice's streamed text into (reasoning, content) pieces."""
+
+    def __init__(self, in_reasoning: bool) -> None:
+        self._state = "start"  # start (an opening tag may come), reasoning, content
+        self._default = "reasoning" if in_reasoning else "content"
+        self._pending = ""  # text held back: a possible tag, or leading whitespace
+        self._after_close = False  # the answer's leading whitespace after </think> is dropped
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._pending += text
+        reasoning = content = ""
+        while True:
+            if self._state == "start":
+                stripped = self._pending.lstrip()
+                if stripped.startswith(OPEN):
+                    self._state, self._pending = "reasoning", stripped[len(OPEN) :]
+                elif OPEN.startswith(stripped):  # empty, or a tag not yet whole
+                    return reasoning, content
+                else:
+                    self._state = self._default
+            elif self._state == "reasoning":
+                end = self._pending.find(CLOSE)
+                if end < 0:
+                    keep = held_back(self._pending, CLOSE)
+                    reasoning += self._pending[: len(self._pending) - keep]
+                    self._pending = self._pending[len(self._pending) - keep :]
+                    return reasoning, content
+                reasoning += self._pending[:end]
+                self._state, self._pending = "content", self._pending[end + len(CLOSE) :]
+                self._after_close = True
+            else:
+                if self._after_close:
+                    self._pending = self._pending.lstrip()
+                    self._after_close = not self._pending
+                content += self._pending
+                self._pending = ""
+                return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """The text still held back: an unfinished tag is text of the part it is in."""
+        text, self._pending = self._pending, ""
+        if self._state == "reasoning" or (self._state == "start" and self._default == "reasoning"):
+            return text, ""
+        return "", text.lstrip() if self._after_close else text

@@ -1,0 +1,110 @@
+"""Reasoning parsers (`--reasoning-parser`): a thinking model's <think> part comes back apart from
+its answer, in every chunk split, streamed and whole, before the tool parser reads the answer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.server.reasoning import ReasoningSplitter, opens_in_reasoning
+from tests.server.conftest import FakeEngine
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _split(text: str, in_reasoning: bool, size: int) -> tuple[str, str]:
+    splitter, reasoning, content = ReasoningSplitter(in_reasoning), "", ""
+    for start in range(0, len(text), size):
+        piece = splitter.feed(text[start : start + size])
+        reasoning, content = reasoning + piece[0], content + piece[1]
+    tail = splitter.finish()
+    return reasoning + tail[0], content + tail[1]
+
+
+@pytest.mark.parametrize(
+    ("text", "in_reasoning", "expected"),
+    [
+        ("<think>\nplan\n</think>\n\nAnswer", False, ("\nplan\n", "Answer")),
+        ("  <think>plan</think>Answer", False, ("plan", "Answer")),
+        ("plan</think>\n\nAnswer", True, ("plan", "Answer")),  # the prompt opened the block
+        ("<think>plan</think>Answer", True, ("plan", "Answer")),  # and the model opened it too
+        ("Answer only", False, ("", "Answer only")),
+        ("Answer with </think> in it", False, ("", "Answer with </think> in it")),
+        ("never closed", True, ("never closed", "")),
+        ("<think>never closed</thi", False, ("never closed</thi", "")),
+        ("<thin", False, ("", "<thin")),  # a tag that never became one is text
+        ("a < b <think>", False, ("", "a < b <think>")),  # only at the start
+    ],
+)
+def test_reasoning_is_split_from_the_answer_in_every_chunk_split(text, in_reasoning, expected):
+    for size in (1, 2, 3, 5, len(text)):
+        assert _split(text, in_reasoning, size) == expected, size
+
+
+def test_where_a_reply_starts():
+    assert opens_in_reasoning("deepseek_r1", "<|User|>hi<|Assistant|>")
+    assert opens_in_reasoning("qwen3", "<|im_start|>assistant\n<think>\n")  # left open
+    assert not opens_in_reasoning("qwen3", "<|im_start|>assistant\n")
+    assert not opens_in_reasoning("qwen3", "assistant\n<think>\n\n</think>\n\n")  # thinking off
+
+
+@pytest.fixture
+def thinking_client(client_with, engine: FakeEngine):
+    engine.script = "<think>Two words.</think>\n\nHello there"
+    engine.max_model_len = 4096
+    return client_with(reasoning_parser="qwen3")
+
+
+def _chat(client, **fields):
+    body = {"messages": USER, "max_tokens": 64, **fields}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def test_the_reasoning_comes_back_apart_from_the_answer(thinking_client):
+    message = _chat(thinking_client).json()["choices"][0]["message"]
+    assert message["reasoning"] == "Two words." and message["content"] == "Hello there"
+
+
+def test_streamed_reasoning_comes_in_its_own_delta_field(thinking_client):
+    text = _chat(thinking_client, stream=True).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line[6:7] == "{"]
+    deltas = [event["choices"][0]["delta"] for event in events]
+    assert "".join(delta.get("reasoning", "") for delta in deltas) == "Two words."
+    assert "".join(delta.get("content", "") for delta in deltas) == "Hello there"
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert all("reasoning" not in delta for delta in deltas[first_content:])
+
+
+def test_include_reasoning_false_leaves_it_out_and_refuses_what_would_spell_it(thinking_client):
+    message = _chat(thinking_client, include_reasoning=False).json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Hello there"}
+    text = _chat(thinking_client, include_reasoning=False, stream=True).text
+    assert "Two words" not in text and '"reasoning"' not in text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line[6:7] == "{"]
+    content = "".join(event["choices"][0]["delta"].get("content", "") for event in events)
+    assert content == "Hello there"
+    for field in ({"logprobs": True}, {"return_token_ids": True}):
+        response = _chat(thinking_client, include_reasoning=False, **field)
+        assert response.status_code == 400 and response.json()["error"]["param"] in field
+
+
+def test_without_a_parser_the_reasoning_stays_in_the_content(client, engine: FakeEngine):
+    engine.script = "<think>Two words.</think>Hello"
+    engine.max_model_len = 4096
+    message = _chat(client).json()["choices"][0]["message"]
+    assert message["content"] == "<think>Two words.</think>Hello" and "reasoning" not in message
+
+
+def test_the_tool_parser_reads_the_answer_after_the_reasoning(client_with, engine: FakeEngine):
+    call = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    engine.script = f"<think>I should call f.</think>\n{call}"
+    engine.max_model_len = 4096
+    client = client_with(
+        reasoning_parser="qwen3", enable_auto_tool_choice=True, tool_call_parser="hermes"
+    )
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    choice = _chat(client, tools=tools, max_tokens=200).json()["choices"][0]
+    assert choice["message"]["reasoning"] == "I should call f."
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
