@@ -61,14 +61,7 @@ class _Options(_Request):
 
 class StreamOptions(_Options):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's usage in every chunk: not implemented
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _not_continuous(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("continuous_usage_stats is not supported; use include_usage")
-        return value
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
 
 
 class JsonSchemaFormat(_Options):
@@ -149,6 +142,11 @@ class SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: each chunk carries its choice's usage so far."""
+        return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
     def to_sampling_params(
         self,
@@ -296,6 +294,16 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def so_far(cls, prompt_tokens: int, completion_tokens: int, cached: int = 0) -> UsageInfo:
+        """One choice's usage up to a chunk (continuous_usage_stats)."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
 
 # The lowest logprob a response shows: a token the constraint (or top-k) ruled out has -inf,

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.configs import StructuredOutputs
-from pagedserve.engine.outputs import TokenLogprob
+from pagedserve.engine.outputs import RequestDelta, TokenLogprob
 from pagedserve.server.chat_choice import ChatChoiceText
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, Item, start_generation
@@ -36,6 +36,7 @@ from pagedserve.server.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     TopLogprob,
+    UsageInfo,
 )
 from pagedserve.server.reasoning import ReasoningSplitter, opens_in_reasoning
 from pagedserve.server.recorder import RequestRecorder
@@ -168,7 +169,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body.include_reasoning,
     )
     if body.stream:
-        chunks = _stream_chunks(stream, header, output, choices, recorder, body.include_usage)
+        usage = _ContinuousUsage(len(prompt.token_ids)) if body.continuous_usage else None
+        chunks = _stream_chunks(
+            stream, header, output, choices, recorder, body.include_usage, usage
+        )
         return EventStreamResponse(sse_events(chunks))
     response = await _collect(stream, header, output, choices, recorder, body.prompt_logprobs)
     return JSONResponse(response.model_dump())
@@ -206,6 +210,21 @@ def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None) -> Structure
     return plan.constraint
 
 
+class _ContinuousUsage:
+    """vLLM's continuous_usage_stats: each chunk carries its choice's usage so far."""
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.choices: dict[int, tuple[int, int]] = {}  # index -> (output tokens, cached prompt)
+
+    def update(self, delta: RequestDelta) -> None:
+        self.choices[delta.index] = (delta.num_output_tokens, delta.num_cached_prompt_tokens)
+
+    def of(self, index: int) -> UsageInfo:
+        num_output, num_cached = self.choices.get(index, (0, 0))
+        return UsageInfo.so_far(self.num_prompt_tokens, num_output, num_cached)
+
+
 async def _stream_chunks(
     stream: AsyncIterator[Item],
     header: dict[str, Any],
@@ -213,6 +232,7 @@ async def _stream_chunks(
     choices: list[ChatChoiceText],
     recorder: RequestRecorder,
     include_usage: bool,
+    usage: _ContinuousUsage | None = None,
 ) -> AsyncIterator[str]:
     exclude = None if include_usage else {"usage"}  # "usage": null only when usage is asked for
 
@@ -220,7 +240,10 @@ async def _stream_chunks(
         choice = ChatChunkChoice(index=index, delta=delta, **fields)
         prompt = {"prompt_token_ids": output.prompt_token_ids, "prompt_text": output.prompt_text}
         return ChatCompletionChunk(
-            **header, choices=[choice], **(prompt if first else {})
+            **header,
+            choices=[choice],
+            usage=usage.of(index) if usage is not None else None,
+            **(prompt if first else {}),
         ).model_dump_json(exclude=exclude)
 
     async with aclosing(stream):
@@ -229,6 +252,8 @@ async def _stream_chunks(
             if output.echo:
                 yield chunk(index, ChatDelta(content=output.echo))
         async for _, delta in stream:
+            if usage is not None:
+                usage.update(delta)
             choice = choices[delta.index]
             logprobs = output.logprobs(delta.new_logprobs)
             # Every token's id is sent (return_token_ids), held-back text or not.

@@ -25,6 +25,8 @@ from pagedserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    StreamOptions,
+    UsageInfo,
 )
 from pagedserve.server.recorder import RequestRecorder
 from pagedserve.server.request_fields import check_request_fields
@@ -126,7 +128,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     }
     if body.stream:
         chunks = _stream_chunks(
-            stream, header, choices, n, recorder, body.include_usage, body.return_token_ids
+            stream, header, choices, n, recorder, body.stream_options, body.return_token_ids
         )
         return EventStreamResponse(sse_events(chunks))
     response = await _collect(
@@ -141,9 +143,11 @@ async def _stream_chunks(
     choices: dict[tuple[int, int], ChoiceText],
     n: int,
     recorder: RequestRecorder,
-    include_usage: bool,
+    options: StreamOptions | None,
     return_token_ids: bool,
 ) -> AsyncIterator[str]:
+    include_usage = options is not None and options.include_usage
+    continuous = include_usage and options.continuous_usage_stats  # type: ignore[union-attr]
     exclude = None if include_usage else {"usage"}  # "usage": null only when usage is asked for
     started: set[tuple[int, int]] = set()  # choices whose first chunk (with the prompt's ids) went
     async with aclosing(stream):
@@ -163,7 +167,16 @@ async def _stream_chunks(
             if return_token_ids and key not in started:
                 started.add(key)
                 choice.prompt_token_ids = choices[key].prompt_token_ids
-            yield CompletionResponse(**header, choices=[choice]).model_dump_json(exclude=exclude)
+            usage = (
+                UsageInfo.so_far(
+                    delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_prompt_tokens
+                )
+                if continuous
+                else None
+            )
+            yield CompletionResponse(**header, choices=[choice], usage=usage).model_dump_json(
+                exclude=exclude
+            )
     if include_usage:
         yield CompletionResponse(**header, choices=[], usage=recorder.usage()).model_dump_json()
 

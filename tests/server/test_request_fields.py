@@ -237,13 +237,30 @@ def test_a_participants_name_reaches_the_template(client, engine):
     assert bytes(engine.requests[0][1]).decode() == "<user:ada>hi\n<assistant>"
 
 
-def test_continuous_usage_stats_is_refused_not_ignored(client):
+@pytest.mark.parametrize("route", ROUTES)
+def test_continuous_usage_stats_put_each_choice_s_usage_so_far_in_every_chunk(client, route):
     options = {"include_usage": True, "continuous_usage_stats": True}
-    response = client.post(
-        "/v1/completions", json={"prompt": "hi", "stream": True, "stream_options": options}
-    )
-    assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+    body = {**ROUTES[route], "max_tokens": 3, "n": 2, "stream": True, "stream_options": options}
+    text = client.post(route, json=body).text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line[6:7] == "{"]
+    *chunks, final = events
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6
+    prompt_tokens = final["usage"]["prompt_tokens"]
+    seen = {0: 0, 1: 0}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == prompt_tokens
+        assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
+        assert usage["completion_tokens"] >= seen[choice["index"]]  # per choice, never back
+        seen[choice["index"]] = usage["completion_tokens"]
+    assert seen == {0: 3, 1: 3}
+
+
+def test_continuous_usage_stats_without_include_usage_adds_nothing(client):
+    options = {"continuous_usage_stats": True}
+    body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": options}
+    assert '"usage"' not in client.post("/v1/completions", json=body).text
 
 
 # --- nested objects -------------------------------------------------------------------------------
