@@ -59,12 +59,12 @@ class AsyncEngine:
         self._pending_states: set[asyncio.Future[RawEngineState]] = set()
 
     # ---- EngineClient surface --------------------------------------------------------------
-
     model_name = _engine_attribute("model_name")
     max_model_len = _engine_attribute("max_model_len")
     vocab_size = _engine_attribute("vocab_size")
     tokenizer = _engine_attribute("tokenizer")
     sampling_defaults = _engine_attribute("sampling_defaults")
+    eos_token_ids = _engine_attribute("eos_token_ids")
 
     @property
     def max_waiting_requests(self) -> int:

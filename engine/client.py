@@ -17,6 +17,7 @@ class EngineClient(Protocol):
     max_waiting_requests: int  # engine requests (prompts) in flight at once; more get a 429
     tokenizer: Any  # a transformers tokenizer: encode/decode/apply_chat_template
     sampling_defaults: dict[str, float | int]  # the model's, for fields a request leaves out
+    eos_token_ids: tuple[int, ...]  # where the engine ends a choice (its generation config's)
 
     @property
     def is_alive(self) -> bool: ...

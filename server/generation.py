@@ -19,6 +19,7 @@ from pagedserve.engine.errors import (
     RequestFailedError,
 )
 from pagedserve.engine.outputs import RequestDelta
+from pagedserve.server.beam_search import BeamSearchParams, beam_search
 from pagedserve.server.errors import (
     APIError,
     ClientDisconnectedError,
@@ -40,6 +41,7 @@ class EngineInput:
     token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    beam: BeamSearchParams | None = None  # use_beam_search: searched, not sampled
 
 
 def engine_request_id(http_request_id: str, prompt_idx: int) -> str:
@@ -88,6 +90,15 @@ async def start_generation(
     streams = [
         engine.generate(
             item.token_ids, item.params, engine_request_id(request_id, index), item.priority
+        )
+        if item.beam is None
+        else beam_search(
+            engine,
+            item.token_ids,
+            item.beam,
+            engine_request_id(request_id, index),
+            engine.eos_token_ids,
+            item.priority,
         )
         for index, item in enumerate(inputs)
     ]

@@ -124,6 +124,9 @@ class SamplingFields(_Request):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     priority: int = 0  # with --scheduling-policy priority: lower is served first (as vLLM)
+    # vLLM's beam search (server/beam_search.py): n is the beam width
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Output constraints: OpenAI's, vLLM's, and vLLM's older guided_* (server/structured.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

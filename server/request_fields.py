@@ -3,10 +3,10 @@ logged where they would not.
 
 A request model keeps the keys it does not declare (`extra="allow"`, server/protocol.py). Among
 them, parameters that vLLM (or OpenAI) implements and pagedserve does not are a 400 naming the
-field as soon as they ask for something (beam search, special tokens spaced out, a client's
-template...): answering 200 with ordinary sampling would let the client believe it got what it
-asked for. Sent with their "do nothing" value (`use_beam_search: false`, `length_penalty: 1`,
-null) they are accepted, so clients that always send them work.
+field as soon as they ask for something (special tokens spaced out, a client's template, logits
+processors...): answering 200 with ordinary sampling would let the client believe it got what it
+asked for. Sent with their "do nothing" value (`spaces_between_special_tokens: true`, `[]`, null)
+they are accepted, so clients that always send them work.
 Any other unknown key is ignored, as vLLM does, and logged once per request, so a misspelt
 parameter shows up in the server log rather than nowhere.
 
@@ -28,8 +28,6 @@ logger = logging.getLogger(__name__)
 
 # Field -> the values that ask for nothing beyond what the server does anyway (None is always one).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,),
-    "length_penalty": (1, 1.0),
     "spaces_between_special_tokens": (True,),
     "logits_processors": ([],),
     "prompt_embeds": (),

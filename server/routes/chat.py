@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedserve.configs import StructuredOutputs
 from pagedserve.engine.outputs import RequestDelta, TokenLogprob
+from pagedserve.server.beam_search import beam_search_params
 from pagedserve.server.chat_choice import ChatChoiceText
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, Item, start_generation
@@ -133,6 +134,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         defaults=engine.sampling_defaults,
         bad_words_token_ids=bad_words_token_ids(body.bad_words, engine),
     )
+    beam = beam_search_params(body, max_tokens)
+    if beam is not None and params.structured_outputs is not None:
+        param = params.structured_outputs.param
+        raise invalid_request(f"{param} is not supported with use_beam_search.", param)
     recorder = RequestRecorder(
         request.app.state.metrics,
         request.state.request_id,
@@ -141,7 +146,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         params.n,
     )
     stream = await start_generation(
-        request, [EngineInput(prompt.token_ids, params, body.priority)], recorder
+        request, [EngineInput(prompt.token_ids, params, body.priority, beam)], recorder
     )
     header = {
         "id": f"chatcmpl-{recorder.request_id}",

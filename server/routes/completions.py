@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedserve.server.beam_search import beam_search_params
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, Item, start_generation
 from pagedserve.server.logprobs import ChoiceText, prompt_logprobs_body
@@ -78,28 +79,31 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     logit_bias = parse_logit_bias(body.logit_bias, engine.vocab_size)
     bad_words = bad_words_token_ids(body.bad_words, engine)
     structured_outputs = to_structured_outputs(body)
-    inputs = [
-        EngineInput(
-            prompt.token_ids,
-            body.to_sampling_params(
-                resolve_max_tokens(
-                    body.max_tokens,
-                    DEFAULT_MAX_TOKENS,
-                    len(prompt.token_ids),
-                    engine.max_model_len,
-                    "prompt",
-                ),
-                body.logprobs,
-                logit_bias,
-                structured_outputs,
-                prompt_logprobs=_engine_prompt_logprobs(body),
-                defaults=engine.sampling_defaults,
-                bad_words_token_ids=bad_words,
-            ),
-            body.priority,
+    if body.use_beam_search and structured_outputs is not None:
+        raise invalid_request(
+            f"{structured_outputs.param} is not supported with use_beam_search.",
+            structured_outputs.param,
         )
-        for prompt in prompts
-    ]
+    inputs = []
+    for prompt in prompts:
+        max_tokens = resolve_max_tokens(
+            body.max_tokens,
+            DEFAULT_MAX_TOKENS,
+            len(prompt.token_ids),
+            engine.max_model_len,
+            "prompt",
+        )
+        params = body.to_sampling_params(
+            max_tokens,
+            body.logprobs,
+            logit_bias,
+            structured_outputs,
+            prompt_logprobs=_engine_prompt_logprobs(body),
+            defaults=engine.sampling_defaults,
+            bad_words_token_ids=bad_words,
+        )
+        beam = beam_search_params(body, max_tokens)
+        inputs.append(EngineInput(prompt.token_ids, params, body.priority, beam))
     n = inputs[0].params.n
     recorder = RequestRecorder(
         request.app.state.metrics,

@@ -26,7 +26,7 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(token_id for token_id in token_ids if token_id < 256).decode(errors="replace")
 
     def apply_chat_template(
@@ -67,6 +67,7 @@ class FakeEngine:
     model_name = "fake-model"
     max_model_len = 64
     vocab_size = 258
+    eos_token_ids = (EOS_TOKEN_ID,)
     max_waiting_requests = 8
 
     def __init__(self) -> None:

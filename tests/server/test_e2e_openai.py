@@ -436,6 +436,57 @@ def test_return_token_ids_are_the_offline_llm_s_prompt_and_output_tokens(client,
     assert streamed == expected.outputs[0].token_ids
 
 
+def _reference_beams(prompt_ids: list[int], width: int, max_tokens: int) -> list[list[int]]:
+    """Beam search written out over Hugging Face's model (whole forward passes, no cache): each
+    step, every live beam's 2 x width best next tokens; EOS ends a beam; the width best by
+    cumulative logprob go on; at the end, ranked by mean logprob (length_penalty 1)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.configs.engine import DEFAULT_MODEL
+    from pagedserve.engine.model_loader import resolve_model_path
+
+    path, _ = resolve_model_path(DEFAULT_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    live, finished = [([], 0.0)], []
+    for _ in range(max_tokens):
+        candidates = []
+        for tokens, total in live:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt_ids + tokens])).logits[0, -1]
+            top = torch.log_softmax(logits.float(), dim=-1).topk(2 * width)
+            for logprob, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                target = finished if token in eos else candidates
+                target.append((tokens + [token], total + logprob))
+        candidates.sort(key=lambda beam: beam[1], reverse=True)
+        # The cut must not fall on a near tie, or float noise could pick either side.
+        if len(candidates) > width:
+            assert candidates[width - 1][1] - candidates[width][1] > 1e-3
+        live = candidates[:width]
+
+    def score(beam: tuple[list[int], float]) -> float:
+        tokens, total = beam
+        return total / max(len(tokens) - (tokens[-1] in eos), 1)
+
+    return [tokens for tokens, _ in sorted(finished + live, key=score, reverse=True)[:width]]
+
+
+def test_beam_search_returns_the_beams_of_a_search_over_the_hf_model(client, model, offline):
+    response = client.completions.create(
+        model=model,
+        prompt=COMPLETION_PROMPTS[0],
+        max_tokens=6,
+        n=3,
+        extra_body={"use_beam_search": True, "return_token_ids": True},
+    )
+    beams = [choice.token_ids for choice in response.choices]
+    prompt_ids = offline["completions"][0].prompt_token_ids
+    assert beams == _reference_beams(prompt_ids, width=3, max_tokens=6)
+    assert response.usage.completion_tokens == sum(len(beam) for beam in beams)
+
+
 def test_chat_without_logprobs_returns_none(client, model):
     response = client.chat.completions.create(
         model=model, messages=CONVERSATIONS[0], max_tokens=2, temperature=0

@@ -15,8 +15,6 @@ ROUTES = {
 }
 
 ASKING = [
-    ("use_beam_search", True),
-    ("length_penalty", 2.0),
     ("spaces_between_special_tokens", 0),  # not `true`: a number asks for something unknown
     ("spaces_between_special_tokens", False),
     ("guided_whitespace_pattern", " "),

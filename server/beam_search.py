@@ -1,0 +1,179 @@
+"""Beam search (vLLM's `use_beam_search`), on top of the engine rather than inside it, as vLLM's
+server does it: each step asks the engine for one token of every live beam, with the 2 x width
+most likely next tokens and their logprobs; the width best extensions by cumulative logprob
+become the next beams, and a beam whose best continuation is an end-of-sequence token is set
+aside as finished. After `max_tokens` steps the finished and live beams are ranked by
+cumulative logprob / length^length_penalty (Hugging Face's score) and the best `width` returned,
+one choice each, best first.
+
+Each step's requests share the prompt's blocks through the prefix cache, so a step recomputes
+only the tail past the last whole block of each beam. The result arrives at the end, as one
+finished delta per beam: beam search cannot stream (vLLM refuses that too), since a beam that
+leads now may be dropped later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.configs import SamplingParams
+from pagedserve.engine.client import EngineClient
+from pagedserve.engine.outputs import RequestDelta, TokenLogprob
+from pagedserve.server.errors import invalid_request
+
+MAX_BEAM_WIDTH = 10  # 2 x width alternatives a step: the engine returns at most 20
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchParams:
+    width: int
+    max_tokens: int
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # keep the EOS token in the text
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class Beam:
+    token_ids: list[int] = field(default_factory=list)  # generated, an EOS last if finished
+    cum_logprob: float = 0.0
+    finished: bool = False
+
+    def score(self, length_penalty: float) -> float:
+        length = len(self.token_ids) - (1 if self.finished else 0)  # the EOS does not count
+        return self.cum_logprob / max(length, 1) ** length_penalty
+
+
+async def beam_search(
+    engine: EngineClient,
+    prompt_token_ids: list[int],
+    params: BeamSearchParams,
+    request_id: str,
+    eos_token_ids: Sequence[int],
+    priority: int = 0,
+) -> AsyncIterator[RequestDelta]:
+    """Run the search; yield one finished delta per returned beam (choice index = rank)."""
+    step_params = SamplingParams(
+        max_tokens=1, temperature=0.0, logprobs=2 * params.width, cache_salt=params.cache_salt
+    )
+    live, finished = [Beam()], []
+    eos = set() if params.ignore_eos else set(eos_token_ids)
+    for step in range(params.max_tokens):
+        steps = [
+            _next_token_logprobs(
+                engine,
+                prompt_token_ids + beam.token_ids,
+                step_params,
+                f"{request_id}-beam-{step}-{i}",
+                priority,
+            )
+            for i, beam in enumerate(live)
+        ]
+        candidates = []
+        for beam, entry in zip(live, await asyncio.gather(*steps), strict=True):
+            for token_id, logprob in entry.top_logprobs:
+                extended = Beam(beam.token_ids + [token_id], beam.cum_logprob + logprob)
+                if token_id in eos:
+                    extended.finished = True
+                    finished.append(extended)
+                else:
+                    candidates.append(extended)
+        live = sorted(candidates, key=lambda beam: beam.cum_logprob, reverse=True)[: params.width]
+        if not live:
+            break
+    ranked = sorted(
+        finished + live, key=lambda beam: beam.score(params.length_penalty), reverse=True
+    )
+    for index, beam in enumerate(ranked[: params.width]):
+        yield _finished_delta(engine.tokenizer, request_id, index, beam, prompt_token_ids, params)
+
+
+async def _next_token_logprobs(
+    engine: EngineClient,
+    token_ids: list[int],
+    params: SamplingParams,
+    request_id: str,
+    priority: int,
+) -> TokenLogprob:
+    entry = None
+    async for delta in engine.generate(token_ids, params, request_id, priority):
+        if delta.new_logprobs:
+            entry = delta.new_logprobs[0]
+    if entry is None:
+        raise RuntimeError(f"beam search: the engine returned no logprobs for {request_id}")
+    return entry
+
+
+def _finished_delta(
+    tokenizer: Any,
+    request_id: str,
+    index: int,
+    beam: Beam,
+    prompt_token_ids: list[int],
+    params: BeamSearchParams,
+) -> RequestDelta:
+    shown = beam.token_ids
+    if beam.finished and not params.include_stop_str_in_output:
+        shown = shown[:-1]
+    text = tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
+    return RequestDelta(
+        request_id,
+        index,
+        tuple(beam.token_ids),
+        text,
+        None,
+        len(prompt_token_ids),
+        len(beam.token_ids),
+        finished=True,
+        finish_reason="stop" if beam.finished else "length",
+    )
+
+
+# Fields that shape sampling, which a beam search does not do: asked for, they are a 400 rather
+# than dropped. (temperature, top_p, top_k, min_p and seed have no effect: the search is exact.)
+_NOT_WITH_BEAMS = {
+    "stream": lambda body: body.stream,
+    "logprobs": lambda body: body.logprobs is not None and body.logprobs is not False,
+    "prompt_logprobs": lambda body: body.prompt_logprobs is not None,
+    "stop": lambda body: bool(body.stop),
+    "stop_token_ids": lambda body: bool(body.stop_token_ids),
+    "min_tokens": lambda body: body.min_tokens > 0,
+    "logit_bias": lambda body: bool(body.logit_bias),
+    "bad_words": lambda body: bool(body.bad_words),
+    "allowed_token_ids": lambda body: body.allowed_token_ids is not None,
+    "presence_penalty": lambda body: body.presence_penalty not in (None, 0),
+    "frequency_penalty": lambda body: body.frequency_penalty not in (None, 0),
+    "repetition_penalty": lambda body: body.repetition_penalty not in (None, 1),
+}
+
+
+def beam_search_params(body: Any, max_tokens: int) -> BeamSearchParams | None:
+    """The request's beam search (None without `use_beam_search`); raises a 400 naming the
+    field for one that beam search would not honour."""
+    if not body.use_beam_search:
+        return None
+    for name, asks in _NOT_WITH_BEAMS.items():
+        if asks(body):
+            raise invalid_request(f"{name} is not supported with use_beam_search.", name)
+    width = body.n if body.n is not None else 1
+    if not 1 <= width <= MAX_BEAM_WIDTH:
+        raise invalid_request(
+            f"n is the beam width with use_beam_search: 1 to {MAX_BEAM_WIDTH}, got {width}.", "n"
+        )
+    if not math.isfinite(body.length_penalty):
+        raise invalid_request("length_penalty must be a finite number.", "length_penalty")
+    return BeamSearchParams(
+        width,
+        max_tokens,
+        body.length_penalty,
+        body.ignore_eos,
+        body.include_stop_str_in_output,
+        body.skip_special_tokens,
+        body.cache_salt,
+    )
