@@ -269,18 +269,21 @@ class ChatCompletionRequest(SamplingFields):
     include_reasoning: bool = True  # vLLM's: false leaves a --reasoning-parser's part out
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Options):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
-    # With messages, chat's template controls (ChatCompletionRequest), so counts match chat's.
+    # With messages, chat's template controls and tools (ChatCompletionRequest), so counts
+    # match chat's.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    return_token_strs: bool = False  # vLLM's: each token's vocabulary entry as well
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Options):
     model: str | None = None
     tokens: list[int]
 
@@ -492,6 +495,14 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None  # return_token_strs
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("token_strs") is None:
+            data.pop("token_strs", None)
+        return data
 
 
 class DetokenizeResponse(BaseModel):

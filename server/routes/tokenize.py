@@ -18,6 +18,7 @@ from pagedserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagedserve.server.request_fields import check_request_fields
 
 router = APIRouter()
 
@@ -26,6 +27,7 @@ router = APIRouter()
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     engine = request.app.state.engine
     check_model(body.model, engine)
+    check_request_fields(body, request.state.request_id)
     if (body.prompt is None) == (body.messages is None):
         raise invalid_request("Give exactly one of 'prompt' and 'messages'.", "prompt")
     if body.messages is not None:
@@ -35,12 +37,18 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
             body.chat_template_kwargs or {},
             bool(body.add_special_tokens),
         )
-        token_ids = chat_prompt(body.messages, engine, None, options).token_ids
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+        token_ids = chat_prompt(body.messages, engine, tools or None, options).token_ids
     else:
         add_special_tokens = body.add_special_tokens is not False
         token_ids = encode_text(engine, body.prompt, "prompt", add_special_tokens)
     return TokenizeResponse(
-        tokens=token_ids, count=len(token_ids), max_model_len=engine.max_model_len
+        tokens=token_ids,
+        count=len(token_ids),
+        max_model_len=engine.max_model_len,
+        token_strs=engine.tokenizer.convert_ids_to_tokens(token_ids)
+        if body.return_token_strs
+        else None,
     )
 
 
@@ -48,5 +56,6 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     engine = request.app.state.engine
     check_model(body.model, engine)
+    check_request_fields(body, request.state.request_id)
     check_token_ids(body.tokens, engine.vocab_size, "tokens")
     return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))

@@ -29,6 +29,9 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(token_id for token_id in token_ids if token_id < 256).decode(errors="replace")
 
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        return [chr(t) if t < 256 else ("<s>" if t == 256 else "</s>") for t in token_ids]
+
     def apply_chat_template(
         self,
         conversation: list[dict[str, str]],

@@ -272,6 +272,24 @@ def test_tokenize_prompt_and_messages(client):
     assert bytes(continued["tokens"]).decode() == "[v=1]<user>x\n<assistant>y"
 
 
+def test_tokenize_counts_chat_tools_and_returns_token_strings_when_asked(client, engine):
+    engine.max_model_len = 4096  # the fallback tools block alone is ~800 byte tokens
+    messages = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    plain = client.post("/tokenize", json={"messages": messages}).json()
+    with_tools = client.post("/tokenize", json={"messages": messages, "tools": [tool]}).json()
+    assert with_tools["count"] > plain["count"]  # as chat renders them (the fallback block)
+    assert "get_weather" in bytes(with_tools["tokens"]).decode()
+    strs = client.post("/tokenize", json={"prompt": "hi", "return_token_strs": True}).json()
+    assert strs["token_strs"] == ["h", "i"]
+
+
+def test_tokenize_refuses_a_client_chat_template_rather_than_ignoring_it(client):
+    body = {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}
+    response = client.post("/tokenize", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template"
+
+
 def test_detokenize_round_trips(client):
     assert client.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
 
