@@ -71,15 +71,20 @@ class _CallListScanner:
     def _string_char(self, char: str) -> None:
         if self._string is not None:
             self._string += char
+        if self._string_ends(char) and self._string is not None:
+            self._end_string(self._string)
+            self._string = None
+
+    def _string_ends(self, char: str) -> bool:
+        """One character inside a string: True when it closes the string (an unescaped quote)."""
         if self._escape:
             self._escape = False
         elif char == "\\":
             self._escape = True
         elif char == '"':
             self._in_string = False
-            if self._string is not None:
-                self._end_string(self._string)
-                self._string = None
+            return True
+        return False
 
     def _end_string(self, raw: str) -> None:
         try:
@@ -114,12 +119,7 @@ class _CallListScanner:
     def _arguments_char(self, char: str) -> None:
         if self._in_string:
             self._piece += char
-            if self._escape:
-                self._escape = False
-            elif char == "\\":
-                self._escape = True
-            elif char == '"':
-                self._in_string = False
+            self._string_ends(char)
             return
         if self._depth == 2 and char in ",}":  # the end of a value that was not a container
             self._end_arguments()
