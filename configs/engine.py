@@ -7,6 +7,7 @@ unique across sections, so a flat CLI flag or env var maps to exactly one sectio
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from typing import Literal
 
@@ -198,7 +199,7 @@ class ServerConfig(_Section):
     allowed_origins: str | None = Field(
         None,
         description="origins whose web pages may call the API from a browser (CORS), "
-        "comma-separated, or * for any (default: none; vLLM allows any)",
+        "comma-separated or a JSON list as vLLM's, * for any (default: none; vLLM allows any)",
     )
     root_path: str = Field(
         "", description="the path prefix a proxy serves the API under (ASGI root_path)"
@@ -234,12 +235,13 @@ class ServerConfig(_Section):
 
     @property
     def cors_origins(self) -> list[str]:
-        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
+        return _origins(self.allowed_origins or "")
 
     @model_validator(mode="after")
     def _key_and_certificate_together(self) -> ServerConfig:
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile")
+        _origins(self.allowed_origins or "")  # a malformed list fails here, at start-up
         return self
 
     @field_validator("api_key")
@@ -253,6 +255,16 @@ class ServerConfig(_Section):
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes, llama3_json)")
         return self
+
+
+def _origins(value: str) -> list[str]:
+    """`a,b` or vLLM's `["a", "b"]`."""
+    if value.strip().startswith("["):
+        origins = json.loads(value)
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ValueError("allowed_origins: a JSON list of origin strings")
+        return [origin.strip() for origin in origins if origin.strip()]
+    return [origin.strip() for origin in value.split(",") if origin.strip()]
 
 
 class EngineConfig(_Section):

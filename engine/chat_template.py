@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from pagedserve.configs.engine import ModelConfig
 
@@ -36,8 +37,8 @@ def read_chat_template(value: str) -> str:
             raise ValueError(f"chat_template: cannot read {value!r} ({exc.strerror})") from exc
     else:
         template = value
-    try:
-        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    try:  # as transformers compiles it (its extensions: loop controls, {% generation %})
+        _compile_jinja_template(template)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"chat_template does not parse: {exc} (line {exc.lineno})") from exc
     return template

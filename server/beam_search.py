@@ -1,15 +1,16 @@
 """Beam search (vLLM's `use_beam_search`), on top of the engine rather than inside it, as vLLM's
 server does it: each step asks the engine for one token of every live beam, with the 2 x width
-most likely next tokens and their logprobs; the width best extensions by cumulative logprob
-become the next beams, and a beam whose best continuation is an end-of-sequence token is set
-aside as finished. After `max_tokens` steps the finished and live beams are ranked by
-cumulative logprob / length^length_penalty (Hugging Face's score) and the best `width` returned,
-one choice each, best first.
+most likely next tokens and their logprobs. Every extension by an end-of-sequence token is set
+aside as a finished beam; of the others, the width best by cumulative logprob become the next
+beams. After `max_tokens` steps the finished and live beams are ranked by cumulative logprob /
+length^length_penalty, the length counting the prompt as vLLM's does (the EOS not counted), and
+the best `width` returned, one choice each, best first.
 
 Each step's requests share the prompt's blocks through the prefix cache, so a step recomputes
-only the tail past the last whole block of each beam. The result arrives at the end, as one
-finished delta per beam: beam search cannot stream (vLLM refuses that too), since a beam that
-leads now may be dropped later.
+only the tail past the last whole block of each beam. The beams arrive together at the end, one
+finished delta each (streamed, in one burst: a beam that leads now may be dropped later). A step
+whose requests fail cancels the others; one aborted (the server shutting down) ends the search
+with the beams so far, `finish_reason` "abort".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from pagedserve.configs import SamplingParams
 from pagedserve.engine.client import EngineClient
+from pagedserve.engine.errors import RequestFailedError
 from pagedserve.engine.outputs import RequestDelta, TokenLogprob
 from pagedserve.server.errors import invalid_request
 
@@ -45,9 +47,14 @@ class Beam:
     cum_logprob: float = 0.0
     finished: bool = False
 
-    def score(self, length_penalty: float) -> float:
-        length = len(self.token_ids) - (1 if self.finished else 0)  # the EOS does not count
-        return self.cum_logprob / max(length, 1) ** length_penalty
+    def rank(self, num_prompt_tokens: int, length_penalty: float) -> float:
+        """Orders beams as cum_logprob / length^length_penalty does (higher is better), in log
+        space so that no length_penalty overflows: logprobs are <= 0, so the score is
+        -exp(log(-cum_logprob) - length_penalty x log(length))."""
+        if self.cum_logprob == 0.0:
+            return math.inf
+        length = num_prompt_tokens + len(self.token_ids) - (1 if self.finished else 0)
+        return length_penalty * math.log(max(length, 1)) - math.log(-self.cum_logprob)
 
 
 async def beam_search(
@@ -62,36 +69,65 @@ async def beam_search(
     step_params = SamplingParams(
         max_tokens=1, temperature=0.0, logprobs=2 * params.width, cache_salt=params.cache_salt
     )
-    live, finished = [Beam()], []
+    live, finished, reason = [Beam()], [], "length"
     eos = set() if params.ignore_eos else set(eos_token_ids)
     for step in range(params.max_tokens):
-        steps = [
-            _next_token_logprobs(
-                engine,
-                prompt_token_ids + beam.token_ids,
-                step_params,
-                f"{request_id}-beam-{step}-{i}",
-                priority,
-            )
-            for i, beam in enumerate(live)
-        ]
+        entries = await _step(
+            engine,
+            [prompt_token_ids + beam.token_ids for beam in live],
+            step_params,
+            f"{request_id}-beam-{step}",
+            priority,
+        )
+        if entries is None:
+            reason = "abort"
+            break
         candidates = []
-        for beam, entry in zip(live, await asyncio.gather(*steps), strict=True):
+        for beam, entry in zip(live, entries, strict=True):
             for token_id, logprob in entry.top_logprobs:
                 extended = Beam(beam.token_ids + [token_id], beam.cum_logprob + logprob)
-                if token_id in eos:
-                    extended.finished = True
-                    finished.append(extended)
-                else:
-                    candidates.append(extended)
+                extended.finished = token_id in eos
+                (finished if extended.finished else candidates).append(extended)
         live = sorted(candidates, key=lambda beam: beam.cum_logprob, reverse=True)[: params.width]
         if not live:
             break
     ranked = sorted(
-        finished + live, key=lambda beam: beam.score(params.length_penalty), reverse=True
-    )
-    for index, beam in enumerate(ranked[: params.width]):
-        yield _finished_delta(engine.tokenizer, request_id, index, beam, prompt_token_ids, params)
+        finished + live,
+        key=lambda beam: beam.rank(len(prompt_token_ids), params.length_penalty),
+        reverse=True,
+    )[: params.width]
+    if len(ranked) < params.width:  # only with a vocabulary smaller than 2 x width
+        raise RequestFailedError(f"beam search found {len(ranked)} beams, fewer than n")
+    for index, beam in enumerate(ranked):
+        yield _finished_delta(
+            engine.tokenizer, request_id, index, beam, prompt_token_ids, params, reason
+        )
+
+
+async def _step(
+    engine: EngineClient,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    request_id: str,
+    priority: int,
+) -> list[TokenLogprob] | None:
+    """One token's logprobs for each prompt, all queued at once (the engine batches them); None
+    if the engine aborted one. If one fails, the others are cancelled (their requests aborted)
+    before the failure is raised."""
+    tasks = [
+        asyncio.ensure_future(
+            _next_token_logprobs(engine, prompt, params, f"{request_id}-{i}", priority)
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+    try:
+        entries = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    return None if any(entry is None for entry in entries) else list(entries)
 
 
 async def _next_token_logprobs(
@@ -100,13 +136,17 @@ async def _next_token_logprobs(
     params: SamplingParams,
     request_id: str,
     priority: int,
-) -> TokenLogprob:
+) -> TokenLogprob | None:
     entry = None
     async for delta in engine.generate(token_ids, params, request_id, priority):
+        if delta.finish_reason == "error":
+            raise RequestFailedError(f"beam search step failed: {delta.error or 'no reason'}")
+        if delta.finish_reason == "abort":
+            return None
         if delta.new_logprobs:
             entry = delta.new_logprobs[0]
     if entry is None:
-        raise RuntimeError(f"beam search: the engine returned no logprobs for {request_id}")
+        raise RequestFailedError(f"the engine returned no logprobs for {request_id}")
     return entry
 
 
@@ -117,28 +157,31 @@ def _finished_delta(
     beam: Beam,
     prompt_token_ids: list[int],
     params: BeamSearchParams,
+    unfinished_reason: str,
 ) -> RequestDelta:
-    shown = beam.token_ids
+    # As vLLM's: a finished beam's EOS is in neither its text nor its token ids (nor its usage)
+    # unless include_stop_str_in_output.
+    token_ids = beam.token_ids
     if beam.finished and not params.include_stop_str_in_output:
-        shown = shown[:-1]
-    text = tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
+        token_ids = token_ids[:-1]
+    text = tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
     return RequestDelta(
         request_id,
         index,
-        tuple(beam.token_ids),
+        tuple(token_ids),
         text,
         None,
         len(prompt_token_ids),
-        len(beam.token_ids),
+        len(token_ids),
         finished=True,
-        finish_reason="stop" if beam.finished else "length",
+        finish_reason="stop" if beam.finished else unfinished_reason,
     )
 
 
 # Fields that shape sampling, which a beam search does not do: asked for, they are a 400 rather
-# than dropped. (temperature, top_p, top_k, min_p and seed have no effect: the search is exact.)
+# than dropped. (temperature, top_p, top_k, min_p and seed have no effect: the search is exact,
+# as vLLM's.)
 _NOT_WITH_BEAMS = {
-    "stream": lambda body: body.stream,
     "logprobs": lambda body: body.logprobs is not None and body.logprobs is not False,
     "prompt_logprobs": lambda body: body.prompt_logprobs is not None,
     "stop": lambda body: bool(body.stop),
@@ -157,7 +200,13 @@ def beam_search_params(body: Any, max_tokens: int) -> BeamSearchParams | None:
     """The request's beam search (None without `use_beam_search`); raises a 400 naming the
     field for one that beam search would not honour."""
     if not body.use_beam_search:
+        if body.length_penalty != 1.0:
+            raise invalid_request(
+                "length_penalty applies to use_beam_search only.", "length_penalty"
+            )
         return None
+    if max_tokens < 1:
+        raise invalid_request("use_beam_search needs max_tokens of at least 1.", "max_tokens")
     for name, asks in _NOT_WITH_BEAMS.items():
         if asks(body):
             raise invalid_request(f"{name} is not supported with use_beam_search.", name)

@@ -7,10 +7,13 @@ parser then reads).
   prompt; a `<think>` the model writes anyway is dropped). A reply that never closes it is all
   reasoning.
 - `qwen3`: the reply is reasoning only inside a think block: one the model opens at its start, or
-  one the rendered prompt left open (Qwen3's thinking-only templates). Otherwise (thinking off,
-  `enable_thinking: false`) it is all content.
+  one the rendered prompt opens at its end (Qwen3's thinking-only templates). Otherwise (thinking
+  off, `enable_thinking: false`) it is all content.
 
-Tags split across chunks are held back until they can be told apart from text.
+Tags split across chunks are held back until they can be told apart from text. The text after
+`</think>` is the content as written, its leading newlines included (as vLLM returns it). A reply
+under an output constraint is not split (the chat route passes no splitter): the grammar forces
+its shape from the first token, so it holds no reasoning.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def opens_in_reasoning(parser: str, prompt_text: str) -> bool:
     """Whether the reply starts inside a think block."""
     if parser == "deepseek_r1":
         return True
-    return prompt_text.rfind(OPEN) > prompt_text.rfind(CLOSE)  # the prompt left one open
+    return prompt_text.rstrip().endswith(OPEN)  # the generation prompt opened one
 
 
 class ReasoningSplitter:
@@ -35,7 +38,6 @@ class ReasoningSplitter:
         self._state = "start"  # start (an opening tag may come), reasoning, content
         self._default = "reasoning" if in_reasoning else "content"
         self._pending = ""  # text held back: a possible tag, or leading whitespace
-        self._after_close = False  # the answer's leading whitespace after </think> is dropped
 
     def feed(self, text: str) -> tuple[str, str]:
         self._pending += text
@@ -58,11 +60,7 @@ class ReasoningSplitter:
                     return reasoning, content
                 reasoning += self._pending[:end]
                 self._state, self._pending = "content", self._pending[end + len(CLOSE) :]
-                self._after_close = True
             else:
-                if self._after_close:
-                    self._pending = self._pending.lstrip()
-                    self._after_close = not self._pending
                 content += self._pending
                 self._pending = ""
                 return reasoning, content
@@ -72,4 +70,4 @@ class ReasoningSplitter:
         text, self._pending = self._pending, ""
         if self._state == "reasoning" or (self._state == "start" and self._default == "reasoning"):
             return text, ""
-        return "", text.lstrip() if self._after_close else text
+        return "", text

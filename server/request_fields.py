@@ -11,8 +11,8 @@ Any other unknown key is ignored, as vLLM does, and logged once per request, so 
 parameter shows up in the server log rather than nowhere.
 
 The same holds inside the nested objects (`response_format`, its `json_schema`, `stream_options`),
-except `structured_outputs`, where an unknown key is a 400 as in vLLM (whose object refuses them):
-a misspelt constraint there would otherwise leave the output unconstrained without a word.
+except `structured_outputs`, where an unknown key is a 400 (vLLM ignores it): a misspelt
+constraint there would otherwise leave the output unconstrained without a word.
 """
 
 from __future__ import annotations

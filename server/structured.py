@@ -71,8 +71,8 @@ def _from_vllm_fields(body: SamplingFields) -> list[StructuredOutputs | None]:
         ]
         if nested.json_object:
             found.append(StructuredOutputs("json_object", "", "structured_outputs.json_object"))
-        if all(getattr(nested, name) is None for name in type(nested).model_fields):
-            # As vLLM: an empty object is a mistake, not a request for free text.
+        if all(constraint is None for constraint in found[4:]):
+            # An object that constrains nothing is a mistake, not a request for free text.
             raise invalid_request(
                 "structured_outputs needs one constraint: json, regex, choice, grammar or "
                 "json_object",

@@ -158,7 +158,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         ChatChoiceText(
             plan.new_parser() if plan else None,
             ReasoningSplitter(opens_in_reasoning(reasoning_parser, prompt.text))
-            if reasoning_parser
+            if reasoning_parser and params.structured_outputs is None  # forced: no thinking
             else None,
             body.parallel_tool_calls,
         )

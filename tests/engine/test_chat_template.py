@@ -30,3 +30,9 @@ def test_a_template_is_read_from_its_file_or_taken_as_written(tmp_path: Path):
 def test_a_template_that_cannot_be_read_or_parsed_is_an_error(value, message):
     with pytest.raises(ValueError, match=message):
         read_chat_template(value)
+
+
+def test_a_template_with_transformers_own_tags_is_accepted():
+    # {% generation %} marks the assistant's tokens for training masks: transformers' extension.
+    template = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+    assert read_chat_template(template + "{% endfor %}").startswith("{% for")

@@ -1,12 +1,16 @@
-"""Beam search at the HTTP layer (fake engine): the fields it would not honour are 400s before
-anything is queued; its beams come back as choices, best first, with their token usage. The
-search itself is checked against an independent one over Hugging Face's model in
-tests/server/test_e2e_openai.py."""
+"""Beam search: at the HTTP layer (fake engine), the fields it would not honour are 400s before
+anything is queued and its beams come back as choices, best first, with their token usage; the
+search itself over a table of next-token logprobs (EOS, length penalty, ignore_eos, a failing or
+aborted step). tests/server/test_e2e_openai.py checks it against a search written out over
+Hugging Face's model."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from pagedserve.engine.errors import RequestFailedError
 from pagedserve.engine.outputs import RequestDelta, TokenLogprob
 from pagedserve.server.beam_search import BeamSearchParams, beam_search
 from tests.server.conftest import ByteTokenizer, FakeEngine
@@ -18,8 +22,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "use_b
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"stream": True}, "stream"),
-        ({"logprobs": 0}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"max_tokens": 0, "echo": True}, "max_tokens"),
         ({"stop": ["x"]}, "stop"),
         ({"stop_token_ids": [5]}, "stop_token_ids"),
         ({"min_tokens": 1}, "min_tokens"),
@@ -35,6 +39,10 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "use_b
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_what_beam_search_would_not_honour_is_a_400(client, engine, route, fields, param):
     body = COMPLETION if route == "/v1/completions" else CHAT
+    if route == "/v1/completions" and fields.get("logprobs") is True:
+        fields = {"logprobs": 0}  # completions' logprobs is a count; 0 still asks
+    if route == "/v1/chat/completions" and "echo" in fields:
+        fields = {"max_tokens": 0}
     response = client.post(route, json={**body, **fields})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
@@ -84,22 +92,23 @@ async def _search(table, **params) -> list[tuple[str, tuple[int, ...], str]]:
 
 
 A, B, C = ord("a"), ord("b"), ord("c")
-# ">" -> a (-0.1) or b (-0.2); after a, EOS is likely; after b, c then anything.
+# ">" -> a (-0.15) or b (-0.2); after a, EOS is likely; after b, c then c.
 TABLE = {
-    ord(">"): [(A, -0.1), (B, -0.2), (C, -5.0), (EOS, -6.0)],
+    ord(">"): [(A, -0.15), (B, -0.2), (C, -5.0), (EOS, -6.0)],
     A: [(EOS, -0.1), (A, -3.0), (B, -4.0), (C, -5.0)],
-    B: [(C, -0.1), (A, -2.0), (B, -3.0), (EOS, -4.0)],
-    C: [(C, -0.1), (EOS, -0.5), (A, -3.0), (B, -4.0)],
+    B: [(C, -0.05), (A, -2.0), (B, -3.0), (EOS, -4.0)],
+    C: [(C, -0.05), (EOS, -0.5), (A, -3.0), (B, -4.0)],
     EOS: [(C, -0.1), (A, -3.0), (B, -4.0), (EOS, -5.0)],  # read only with ignore_eos
 }
 
 
 @pytest.mark.anyio
 async def test_a_beam_ending_with_eos_is_set_aside_finished_and_ranked_by_length_penalty():
-    # "a"+EOS: -0.2 over 1 token; "bcc": -0.4 over 3. Length penalty 1 ranks by mean logprob.
+    # "a"+EOS: -0.25 over 2 tokens with the prompt's one (the EOS not counted, as vLLM's);
+    # "bcc": -0.3 over 4. Length penalty 1 ranks by mean logprob.
     assert await _search(TABLE) == [
         ("bcc", (B, C, C), "length"),
-        ("a", (A, EOS), "stop"),  # the EOS ends it and is not text
+        ("a", (A,), "stop"),  # the EOS ends it and, as in vLLM, is neither text nor token id
     ]
     # Without a length penalty the plain cumulative logprob decides.
     assert [text for text, *_ in await _search(TABLE, length_penalty=0.0)] == ["a", "bcc"]
@@ -107,7 +116,7 @@ async def test_a_beam_ending_with_eos_is_set_aside_finished_and_ranked_by_length
 
 @pytest.mark.anyio
 async def test_ignore_eos_keeps_every_beam_going():
-    # "a", then EOS as an ordinary token (-0.1), then "c": -0.3, ahead of "bcc" (-0.4).
+    # "a", then EOS as an ordinary token (-0.1), then "c": -0.35, ahead of "bb..." beams.
     assert await _search(TABLE, ignore_eos=True, width=1) == [("a\x00c", (A, EOS, C), "length")]
 
 
@@ -115,3 +124,63 @@ async def test_ignore_eos_keeps_every_beam_going():
 async def test_include_stop_str_in_output_keeps_the_eos_text():
     beams = await _search(TABLE, include_stop_str_in_output=True)
     assert beams[1] == ("a\x00", (A, EOS), "stop")
+
+
+@pytest.mark.anyio
+async def test_a_huge_length_penalty_ranks_without_overflowing():
+    # cum / length ** 2000 overflows a float; the ranking is taken in log space.
+    assert [text for text, *_ in await _search(TABLE, length_penalty=2000.0)][0] == "bcc"
+    # Negative: the shortest wins, here the beam that ended at once (EOS first, -6.0).
+    assert (await _search(TABLE, length_penalty=-2000.0))[0] == ("", (), "stop")
+
+
+class FailingEngine(TableEngine):
+    """The second beam's request of the second step fails; the others wait until cancelled."""
+
+    def __init__(self, table, finish_reason: str) -> None:
+        super().__init__(table)
+        self.finish_reason, self.open, self.closed = finish_reason, set(), set()
+
+    async def generate(self, token_ids, params, request_id, priority=0):
+        self.open.add(request_id)
+        try:
+            if request_id.endswith("beam-1-1"):
+                yield RequestDelta(
+                    request_id, 0, (), "", None, 1, 0, True, self.finish_reason, "boom"
+                )
+                return
+            if "beam-1" in request_id:
+                await asyncio.sleep(3600)  # still running when its sibling fails
+            async for delta in super().generate(token_ids, params, request_id):
+                yield delta
+        finally:
+            self.closed.add(request_id)
+
+
+@pytest.mark.anyio
+async def test_a_failed_step_cancels_its_other_requests_and_fails_the_search():
+    engine = FailingEngine(TABLE, "error")
+    deltas = beam_search(engine, [ord(">")], BeamSearchParams(2, 3), "r", [EOS])
+    with pytest.raises(RequestFailedError, match="boom"):
+        [delta async for delta in deltas]
+    assert engine.open == engine.closed  # nothing left running in the engine
+
+
+@pytest.mark.anyio
+async def test_an_aborted_step_ends_the_search_with_the_beams_so_far():
+    engine = FailingEngine({**TABLE}, "abort")
+    engine.generate = _no_wait(engine)  # the sibling answers at once this time
+    deltas = beam_search(engine, [ord(">")], BeamSearchParams(2, 3), "r", [EOS])
+    results = [(d.new_text, d.finish_reason) async for d in deltas]
+    assert results == [("a", "abort"), ("b", "abort")]  # one token each: step 2 was aborted
+
+
+def _no_wait(engine: FailingEngine):
+    async def generate(token_ids, params, request_id, priority=0):
+        if request_id.endswith("beam-1-1"):
+            yield RequestDelta(request_id, 0, (), "", None, 1, 0, True, "abort")
+            return
+        async for delta in TableEngine.generate(engine, token_ids, params, request_id):
+            yield delta
+
+    return generate

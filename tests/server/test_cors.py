@@ -58,3 +58,13 @@ def test_star_allows_any_origin(client_with):
 def test_https_needs_both_the_key_and_the_certificate():
     with pytest.raises(ValueError, match="both ssl_keyfile and ssl_certfile"):
         EngineConfig.model_validate({"server": {"ssl_keyfile": "key.pem"}})
+
+
+def test_vllm_s_json_list_of_origins_is_read_too(client_with):
+    client = client_with(allowed_origins=f'["{APP}"]')
+    assert (
+        client.options("/v1/completions", headers=PREFLIGHT).headers["access-control-allow-origin"]
+        == APP
+    )
+    with pytest.raises(ValueError, match="JSON list of origin strings"):
+        EngineConfig.model_validate({"server": {"allowed_origins": "[1, 2]"}})

@@ -439,7 +439,8 @@ def test_return_token_ids_are_the_offline_llm_s_prompt_and_output_tokens(client,
 def _reference_beams(prompt_ids: list[int], width: int, max_tokens: int) -> list[list[int]]:
     """Beam search written out over Hugging Face's model (whole forward passes, no cache): each
     step, every live beam's 2 x width best next tokens; EOS ends a beam; the width best by
-    cumulative logprob go on; at the end, ranked by mean logprob (length_penalty 1)."""
+    cumulative logprob go on; at the end, ranked by cumulative logprob over the length with the
+    prompt (vLLM's score at length_penalty 1); an ended beam's EOS is not returned."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -468,9 +469,10 @@ def _reference_beams(prompt_ids: list[int], width: int, max_tokens: int) -> list
 
     def score(beam: tuple[list[int], float]) -> float:
         tokens, total = beam
-        return total / max(len(tokens) - (tokens[-1] in eos), 1)
+        return total / (len(prompt_ids) + len(tokens) - (tokens[-1] in eos))
 
-    return [tokens for tokens, _ in sorted(finished + live, key=score, reverse=True)[:width]]
+    best = sorted(finished + live, key=score, reverse=True)[:width]
+    return [tokens[:-1] if tokens[-1] in eos else tokens for tokens, _ in best]
 
 
 def test_beam_search_returns_the_beams_of_a_search_over_the_hf_model(client, model, offline):

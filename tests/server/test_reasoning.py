@@ -25,9 +25,9 @@ def _split(text: str, in_reasoning: bool, size: int) -> tuple[str, str]:
 @pytest.mark.parametrize(
     ("text", "in_reasoning", "expected"),
     [
-        ("<think>\nplan\n</think>\n\nAnswer", False, ("\nplan\n", "Answer")),
+        ("<think>\nplan\n</think>\n\nAnswer", False, ("\nplan\n", "\n\nAnswer")),
         ("  <think>plan</think>Answer", False, ("plan", "Answer")),
-        ("plan</think>\n\nAnswer", True, ("plan", "Answer")),  # the prompt opened the block
+        ("plan</think>\n\nAnswer", True, ("plan", "\n\nAnswer")),  # the prompt opened it
         ("<think>plan</think>Answer", True, ("plan", "Answer")),  # and the model opened it too
         ("Answer only", False, ("", "Answer only")),
         ("Answer with </think> in it", False, ("", "Answer with </think> in it")),
@@ -47,6 +47,8 @@ def test_where_a_reply_starts():
     assert opens_in_reasoning("qwen3", "<|im_start|>assistant\n<think>\n")  # left open
     assert not opens_in_reasoning("qwen3", "<|im_start|>assistant\n")
     assert not opens_in_reasoning("qwen3", "assistant\n<think>\n\n</think>\n\n")  # thinking off
+    # A user's own "<think>" is not the template opening a block.
+    assert not opens_in_reasoning("qwen3", "user\nWhat does <think> do?\nassistant\n")
 
 
 @pytest.fixture
@@ -63,7 +65,7 @@ def _chat(client, **fields):
 
 def test_the_reasoning_comes_back_apart_from_the_answer(thinking_client):
     message = _chat(thinking_client).json()["choices"][0]["message"]
-    assert message["reasoning"] == "Two words." and message["content"] == "Hello there"
+    assert message["reasoning"] == "Two words." and message["content"] == "\n\nHello there"
 
 
 def test_streamed_reasoning_comes_in_its_own_delta_field(thinking_client):
@@ -71,19 +73,19 @@ def test_streamed_reasoning_comes_in_its_own_delta_field(thinking_client):
     events = [json.loads(line[6:]) for line in text.splitlines() if line[6:7] == "{"]
     deltas = [event["choices"][0]["delta"] for event in events]
     assert "".join(delta.get("reasoning", "") for delta in deltas) == "Two words."
-    assert "".join(delta.get("content", "") for delta in deltas) == "Hello there"
+    assert "".join(delta.get("content", "") for delta in deltas) == "\n\nHello there"
     first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
     assert all("reasoning" not in delta for delta in deltas[first_content:])
 
 
 def test_include_reasoning_false_leaves_it_out_and_refuses_what_would_spell_it(thinking_client):
     message = _chat(thinking_client, include_reasoning=False).json()["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": "Hello there"}
+    assert message == {"role": "assistant", "content": "\n\nHello there"}
     text = _chat(thinking_client, include_reasoning=False, stream=True).text
     assert "Two words" not in text and '"reasoning"' not in text
     events = [json.loads(line[6:]) for line in text.splitlines() if line[6:7] == "{"]
     content = "".join(event["choices"][0]["delta"].get("content", "") for event in events)
-    assert content == "Hello there"
+    assert content == "\n\nHello there"
     for field in ({"logprobs": True}, {"return_token_ids": True}):
         response = _chat(thinking_client, include_reasoning=False, **field)
         assert response.status_code == 400 and response.json()["error"]["param"] in field
@@ -108,3 +110,48 @@ def test_the_tool_parser_reads_the_answer_after_the_reasoning(client_with, engin
     assert choice["message"]["reasoning"] == "I should call f."
     assert choice["message"]["content"] is None and choice["finish_reason"] == "tool_calls"
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize(
+    ("fields", "script"),
+    [
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
+            '{"city": "Paris"}',
+        ),
+        ({"tools": TOOLS, "tool_choice": "required"}, '[{"name": "get_weather", "arguments": {}}]'),
+        ({"response_format": {"type": "json_object"}}, '{"a": 1}'),
+    ],
+    ids=["named", "required", "json_object"],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constrained_reply_is_not_taken_for_reasoning(
+    client_with, engine: FakeEngine, parser, fields, script, stream
+):
+    # The grammar forces the reply's shape from its first token: there is no think block in it,
+    # even where the parser would otherwise start inside one (deepseek_r1).
+    engine.script, engine.max_model_len = script, 4096
+    client = client_with(reasoning_parser=parser)
+    response = _chat(client, stream=stream, **fields)
+    assert response.status_code == 200, response.text
+    assert '"reasoning"' not in response.text
+    if "tools" in fields:
+        assert "get_weather" in response.text and "tool_calls" in response.text
+        assert '"finish_reason":"tool_calls"' in response.text.replace(" ", "")
+    elif not stream:
+        assert response.json()["choices"][0]["message"]["content"] == script

@@ -274,6 +274,7 @@ def test_continuous_usage_stats_without_include_usage_adds_nothing(client):
         ({"json_schema": {"type": "object"}}, "structured_outputs.json_schema"),
         ({}, "structured_outputs"),  # no constraint at all is a mistake, not free text
         ({"whitespace_pattern": None}, "structured_outputs"),
+        ({"json_object": False}, "structured_outputs"),  # constrains nothing either
     ],
 )
 def test_structured_outputs_refuses_what_it_would_not_apply(client, engine, route, options, param):
