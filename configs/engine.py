@@ -209,7 +209,7 @@ class ServerConfig(_Section):
     enable_auto_tool_choice: bool = Field(
         False, description="let the model decide to call tools (tool_choice auto; as vLLM)"
     )
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+    tool_call_parser: Literal["hermes", "llama3_json", "pythonic"] | None = Field(
         None,
         description="how tool calls are read from free output (with auto tool choice; default: "
         "none, required with it)",
@@ -253,7 +253,9 @@ class ServerConfig(_Section):
     @model_validator(mode="after")
     def _auto_tool_choice_needs_a_parser(self) -> ServerConfig:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes, llama3_json)")
+            raise ValueError(
+                "enable_auto_tool_choice needs tool_call_parser (hermes, llama3_json, pythonic)"
+            )
         return self
 
 

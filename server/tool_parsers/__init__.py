@@ -10,10 +10,12 @@ from pagedserve.server.tool_parsers.base import CallDelta, ParsedCall, ToolCallP
 from pagedserve.server.tool_parsers.forced import ForcedCallsParser
 from pagedserve.server.tool_parsers.hermes import HermesParser
 from pagedserve.server.tool_parsers.llama3_json import Llama3JsonParser
+from pagedserve.server.tool_parsers.pythonic import PythonicParser
 
 PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
+    "pythonic": PythonicParser,
 }
 
 __all__ = [
@@ -23,5 +25,6 @@ __all__ = [
     "HermesParser",
     "Llama3JsonParser",
     "ParsedCall",
+    "PythonicParser",
     "ToolCallParser",
 ]

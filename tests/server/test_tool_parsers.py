@@ -14,6 +14,7 @@ from pagedserve.server.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
     ParsedCall,
+    PythonicParser,
 )
 from pagedserve.server.tool_parsers.base import assemble
 
@@ -157,7 +158,7 @@ def test_forced_calls_parser_leaves_a_list_that_names_no_call_as_text():
 
 
 @pytest.mark.parametrize(
-    "parser", [HermesParser, Llama3JsonParser, lambda: ForcedCallsParser(None)]
+    "parser", [HermesParser, Llama3JsonParser, PythonicParser, lambda: ForcedCallsParser(None)]
 )
 def test_parsers_leave_json_nested_past_the_interpreters_limit_as_text(parser):
     deep = "[" * 5000 + "]" * 5000
@@ -166,3 +167,48 @@ def test_parsers_leave_json_nested_past_the_interpreters_limit_as_text(parser):
         Llama3JsonParser: deep,
     }.get(parser, deep)
     assert _run(parser(), [text]) == (text, [])
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ('[add(a=1, b=2), get_weather(city="Paris")]', "", [ADD, WEATHER]),
+        ("<|python_start|>[add(a=1, b=2)]<|python_end|>", "", [ADD]),
+        (
+            "[note(text='\u00e9t\u00e9', tags=['a', \"b\"], meta={'n': -3, 'ok': true}, x=None)]",
+            "",
+            [
+                ParsedCall(
+                    "note",
+                    json.dumps(
+                        {
+                            "text": "\u00e9t\u00e9",
+                            "tags": ["a", "b"],
+                            "meta": {"n": -3, "ok": True},
+                            "x": None,
+                        },
+                        ensure_ascii=False,
+                    ),
+                )
+            ],
+        ),
+        ("[tools.search(q='x')]", "", [ParsedCall("tools.search", '{"q": "x"}')]),
+        ("Hello there", "Hello there", []),
+        ("[1] is a reference", "[1] is a reference", []),  # a list, but not of calls
+        ("[add(1, 2)]", "[add(1, 2)]", []),  # positional arguments: not a call we can name
+        ("[f(x=__import__('os'))]", "[f(x=__import__('os'))]", []),  # never evaluated
+        ("[f(x=float('inf'))]", "[f(x=float('inf'))]", []),
+        ("[add(a=1, b=", "[add(a=1, b=", []),  # cut short
+    ],
+)
+def test_pythonic_parser_reads_a_list_of_calls_or_returns_text(text, content, calls):
+    for size in (1, 4, len(text)):
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        assert _run(PythonicParser(), pieces) == (content, calls), size
+
+
+def test_pythonic_parser_streams_plain_text_as_it_comes():
+    parser = PythonicParser()
+    assert parser.feed("  ") == ("", [])  # too early to tell
+    assert parser.feed("Hi") == ("  Hi", [])
+    assert parser.feed(" there") == (" there", [])

@@ -288,3 +288,15 @@ def test_auto_streams_each_call_when_its_block_closes(client_with, engine: FakeE
         num_tokens += len(choice.get("token_ids", []))
     # One character a step: each call went out as its block closed, not at the end.
     assert tokens_before == [len(call), 2 * len(call)]
+
+
+def test_auto_with_the_pythonic_parser_returns_openai_tool_calls(client_with, engine):
+    client = client_with(enable_auto_tool_choice=True, tool_call_parser="pythonic")
+    engine.script = '[get_weather(city="P")]'
+    body = _chat(client, tools=[WEATHER], max_tokens=len(engine.script) + 1).json()
+    [choice] = body["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "P"}',
+    }
