@@ -262,7 +262,10 @@ class ServerConfig(_Section):
 def _origins(value: str) -> list[str]:
     """`a,b` or vLLM's `["a", "b"]`."""
     if value.strip().startswith("["):
-        origins = json.loads(value)
+        try:
+            origins = json.loads(value)
+        except RecursionError:
+            origins = None
         if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
             raise ValueError("allowed_origins: a JSON list of origin strings")
         return [origin.strip() for origin in origins if origin.strip()]

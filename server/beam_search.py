@@ -51,7 +51,7 @@ class Beam:
         """Orders beams as cum_logprob / length^length_penalty does (higher is better), in log
         space so that no length_penalty overflows: logprobs are <= 0, so the score is
         -exp(log(-cum_logprob) - length_penalty x log(length))."""
-        if self.cum_logprob == 0.0:
+        if self.cum_logprob >= 0.0:  # logprobs are <= 0: only a certain beam, the best
             return math.inf
         length = num_prompt_tokens + len(self.token_ids) - (1 if self.finished else 0)
         return length_penalty * math.log(max(length, 1)) - math.log(-self.cum_logprob)
@@ -96,11 +96,15 @@ async def beam_search(
         key=lambda beam: beam.rank(len(prompt_token_ids), params.length_penalty),
         reverse=True,
     )[: params.width]
-    if len(ranked) < params.width:  # only with a vocabulary smaller than 2 x width
+    if len(ranked) < params.width and reason != "abort":  # a vocabulary under 2 x width
         raise RequestFailedError(f"beam search found {len(ranked)} beams, fewer than n")
     for index, beam in enumerate(ranked):
         yield _finished_delta(
             engine.tokenizer, request_id, index, beam, prompt_token_ids, params, reason
+        )
+    for index in range(len(ranked), params.width):  # aborted before there were n beams
+        yield _finished_delta(
+            engine.tokenizer, request_id, index, Beam(), prompt_token_ids, params, reason
         )
 
 

@@ -6,14 +6,15 @@ parser then reads).
 - `deepseek_r1`: the reply starts inside the reasoning (R1's template opens `<think>` in the
   prompt; a `<think>` the model writes anyway is dropped). A reply that never closes it is all
   reasoning.
-- `qwen3`: the reply is reasoning only inside a think block: one the model opens at its start, or
-  one the rendered prompt opens at its end (Qwen3's thinking-only templates). Otherwise (thinking
-  off, `enable_thinking: false`) it is all content.
+- `qwen3`: the reply is reasoning only inside a think block: one the model opens at its start,
+  one the rendered prompt opens at its end (Qwen3's thinking-only templates), or one an assistant
+  prefill left open (`continue_final_message`). Otherwise (thinking off, `enable_thinking:
+  false`) it is all content.
 
 Tags split across chunks are held back until they can be told apart from text. The text after
 `</think>` is the content as written, its leading newlines included (as vLLM returns it). A reply
-under an output constraint is not split (the chat route passes no splitter): the grammar forces
-its shape from the first token, so it holds no reasoning.
+under an output constraint is not split (the chat route passes no splitter): the client asked
+for the whole reply's shape (and most constraints leave no room for a think block).
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ OPEN, CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
-def opens_in_reasoning(parser: str, prompt_text: str) -> bool:
-    """Whether the reply starts inside a think block."""
+def opens_in_reasoning(parser: str, prompt_text: str, prefill: str = "") -> bool:
+    """Whether the reply starts inside a think block. `prefill`: the assistant message the reply
+    continues (continue_final_message), if any. A `<think>` elsewhere in the prompt (a user
+    asking about the tag) does not count."""
     if parser == "deepseek_r1":
         return True
-    return prompt_text.rstrip().endswith(OPEN)  # the generation prompt opened one
+    return prompt_text.rstrip().endswith(OPEN) or prefill.rfind(OPEN) > prefill.rfind(CLOSE)
 
 
 class ReasoningSplitter:

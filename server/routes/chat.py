@@ -122,7 +122,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         requested, None, len(prompt.token_ids), engine.max_model_len, "messages", max_tokens_param
     )
     num_top = _logprobs_count(body)
-    _check_hidden_reasoning(body, request.app.state.config.server.reasoning_parser)
     if body.stream and body.prompt_logprobs is not None:  # as vLLM
         raise invalid_request("prompt_logprobs is not available when streaming.", "prompt_logprobs")
     params = body.to_sampling_params(
@@ -134,6 +133,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         defaults=engine.sampling_defaults,
         bad_words_token_ids=bad_words_token_ids(body.bad_words, engine),
     )
+    # A constrained reply is not split: the client asked for its whole shape.
+    reasoning_parser = (
+        request.app.state.config.server.reasoning_parser
+        if params.structured_outputs is None
+        else None
+    )
+    _check_hidden_reasoning(body, reasoning_parser)
     beam = beam_search_params(body, max_tokens)
     if beam is not None and params.structured_outputs is not None:
         param = params.structured_outputs.param
@@ -153,12 +159,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         "created": request.state.created,  # arrival, not the first token
         "model": engine.model_name,
     }
-    reasoning_parser = request.app.state.config.server.reasoning_parser
+    prefill = body.messages[-1].text if body.continue_final_message else ""
     choices = [
         ChatChoiceText(
             plan.new_parser() if plan else None,
-            ReasoningSplitter(opens_in_reasoning(reasoning_parser, prompt.text))
-            if reasoning_parser and params.structured_outputs is None  # forced: no thinking
+            ReasoningSplitter(opens_in_reasoning(reasoning_parser, prompt.text, prefill))
+            if reasoning_parser
             else None,
             body.parallel_tool_calls,
         )

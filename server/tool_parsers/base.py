@@ -70,7 +70,24 @@ def call_from_object(value: Any, arguments_key: str = "arguments") -> ParsedCall
             return None
     if not isinstance(arguments, dict):
         return None
-    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    return make_call(value["name"], arguments)
+
+
+def make_call(name: str, arguments: dict[str, Any]) -> ParsedCall | None:
+    """A call of `name` with these arguments as JSON text; None (not a call) where either holds a
+    lone surrogate, which a JSON escape (`"\\ud800"`) can spell but UTF-8 cannot carry."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    if not is_utf8(name) or not is_utf8(text):
+        return None
+    return ParsedCall(name, text)
+
+
+def is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def held_back(text: str, tag: str) -> int:

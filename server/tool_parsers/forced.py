@@ -11,7 +11,7 @@ as vLLM's do (finish_reason "length" says so); one cut before it names any call 
 from __future__ import annotations
 
 from pagedserve.server.json_input import load_json
-from pagedserve.server.tool_parsers.base import CallDelta
+from pagedserve.server.tool_parsers.base import CallDelta, is_utf8
 
 _WHITESPACE = " \t\n\r"
 
@@ -94,6 +94,8 @@ class _CallListScanner:
         if not self._expect_value:
             self._key = value
         elif self._key == "name" and self._index is None and isinstance(value, str):
+            if not is_utf8(value):  # a lone surrogate escape: no name UTF-8 can carry
+                return
             self._index, self.num_named = self.num_named, self.num_named + 1
             self._out.append(CallDelta(self._index, value, self._early))
             self._early = ""

@@ -11,11 +11,11 @@ numbers, booleans, None, lists, dicts with string keys; JSON's true/false/null t
 from __future__ import annotations
 
 import ast
-import json
 import math
+import warnings
 from typing import Any
 
-from pagedserve.server.tool_parsers.base import CallDelta, ParsedCall, whole_calls
+from pagedserve.server.tool_parsers.base import CallDelta, ParsedCall, make_call, whole_calls
 
 START, END = "<|python_start|>", "<|python_end|>"
 _JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -49,7 +49,9 @@ class PythonicParser:
 def _parse_calls(text: str) -> list[ParsedCall]:
     """The list's calls, or [] if it is not a list of calls with literal keyword arguments."""
     try:
-        tree = ast.parse(text, mode="eval").body
+        with warnings.catch_warnings():  # an invalid escape ("C:\dir") warns; it stays a string
+            warnings.simplefilter("ignore")
+            tree = ast.parse(text, mode="eval").body
         if not isinstance(tree, ast.List) or not tree.elts:
             return []
         return [_call(node) for node in tree.elts]
@@ -62,10 +64,13 @@ def _call(node: ast.expr) -> ParsedCall:
         raise ValueError("not a call with keyword arguments only")
     arguments = {}
     for keyword in node.keywords:
-        if keyword.arg is None:  # **mapping
-            raise ValueError("no ** arguments")
+        if keyword.arg is None or keyword.arg in arguments:  # **mapping, or a repeated name
+            raise ValueError("keyword arguments, each once")
         arguments[keyword.arg] = _literal(keyword.value)
-    return ParsedCall(_dotted_name(node.func), json.dumps(arguments, ensure_ascii=False))
+    call = make_call(_dotted_name(node.func), arguments)
+    if call is None:
+        raise ValueError("a lone surrogate")
+    return call
 
 
 def _dotted_name(node: ast.expr) -> str:

@@ -184,3 +184,16 @@ def _no_wait(engine: FailingEngine):
             yield delta
 
     return generate
+
+
+@pytest.mark.anyio
+async def test_an_abort_at_the_first_step_returns_n_aborted_choices():
+    class AbortingEngine(TableEngine):
+        async def generate(self, token_ids, params, request_id, priority=0):
+            yield RequestDelta(request_id, 0, (), "", None, 1, 0, True, "abort")
+
+    deltas = beam_search(AbortingEngine(TABLE), [ord(">")], BeamSearchParams(2, 3), "r", [EOS])
+    assert [(d.index, d.new_text, d.finish_reason) async for d in deltas] == [
+        (0, "", "abort"),
+        (1, "", "abort"),
+    ]

@@ -155,3 +155,18 @@ def test_a_constrained_reply_is_not_taken_for_reasoning(
         assert '"finish_reason":"tool_calls"' in response.text.replace(" ", "")
     elif not stream:
         assert response.json()["choices"][0]["message"]["content"] == script
+
+
+def test_an_assistant_prefill_inside_a_think_block_continues_the_reasoning():
+    assert opens_in_reasoning("qwen3", "assistant\n<think>\nhmm", prefill="<think>\nhmm")
+    assert not opens_in_reasoning(
+        "qwen3", "assistant\n<think>a</think>b", prefill="<think>a</think>b"
+    )
+
+
+def test_a_constrained_reply_may_come_with_logprobs_when_reasoning_is_hidden(client_with, engine):
+    engine.script, engine.max_model_len = '{"a": 1}', 4096
+    client = client_with(reasoning_parser="deepseek_r1")
+    fields = {"response_format": {"type": "json_object"}, "include_reasoning": False}
+    response = _chat(client, logprobs=True, **fields)
+    assert response.status_code == 200, response.text  # nothing is split, nothing hidden

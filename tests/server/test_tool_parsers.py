@@ -212,3 +212,27 @@ def test_pythonic_parser_streams_plain_text_as_it_comes():
     assert parser.feed("  ") == ("", [])  # too early to tell
     assert parser.feed("Hi") == ("  Hi", [])
     assert parser.feed(" there") == (" there", [])
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (HermesParser, '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>'),
+        (HermesParser, '<tool_call>{"name": "\\udfff", "arguments": {}}</tool_call>'),
+        (Llama3JsonParser, '{"name": "f", "parameters": {"a": "\\ud800"}}'),
+        (PythonicParser, '[f(a="\\ud800")]'),
+        (lambda: ForcedCallsParser(None), '[{"name": "\\ud800", "arguments": {}}]'),
+    ],
+)
+def test_a_lone_surrogate_escape_is_text_not_a_call(parser, text):
+    # JSON and Python can spell U+D800 with an escape; UTF-8 (and so the response) cannot carry it.
+    content, calls = _run(parser(), [text])
+    assert calls == [] and content == text
+    content.encode()  # the text as written is valid UTF-8
+
+
+def test_pythonic_parser_refuses_a_repeated_keyword_and_ignores_escape_warnings():
+    assert _run(PythonicParser(), ["[f(a=1, a=2)]"]) == ("[f(a=1, a=2)]", [])
+    assert _run(PythonicParser(), ['[f(path="C:\\dir")]'])[1] == [
+        ParsedCall("f", json.dumps({"path": "C:\\dir"}))
+    ]
