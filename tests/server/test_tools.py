@@ -303,9 +303,7 @@ def test_auto_with_the_pythonic_parser_returns_openai_tool_calls(client_with, en
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_call_spelling_a_lone_surrogate_comes_back_as_text_not_a_500(
-    client_with, engine, stream
-):
+def test_a_call_spelling_a_lone_surrogate_comes_back_as_text_not_a_500(client_with, engine, stream):
     client = client_with(enable_auto_tool_choice=True, tool_call_parser="hermes")
     engine.script = '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>'
     response = _chat(client, tools=[WEATHER], max_tokens=len(engine.script) + 1, stream=stream)
