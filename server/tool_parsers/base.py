@@ -58,6 +58,42 @@ def assemble(deltas: Iterable[CallDelta]) -> list[ParsedCall]:
     return [ParsedCall(names[index], arguments.get(index, "")) for index in sorted(names)]
 
 
+class WholeReplyParser:
+    """A reply that is either calls, told by how it starts (after an optional tag), or text.
+    Text streams as it comes; calls are held to the end and read whole by `parse`, all or none:
+    a reply that starts like calls but does not parse is returned as the text it was."""
+
+    TAG = ""  # an optional tag before the calls (a special token that may be shown)
+    OPENERS: tuple[str, ...] = ()  # how the calls start, after the tag
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._decided: bool | None = None  # True: the reply is calls (held); False: plain text
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self._text += text
+        if self._decided is None:
+            stripped = self._text.lstrip()
+            if not stripped or (self.TAG and self.TAG.startswith(stripped)):
+                return "", []  # too early to tell
+            self._decided = stripped.startswith((*self.OPENERS, *((self.TAG,) if self.TAG else ())))
+        if self._decided:
+            return "", []
+        shown, self._text = self._text, ""
+        return shown, []
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        text, self._text = self._text, ""
+        if not self._decided:
+            return text, []
+        calls = self.parse(text.strip().removeprefix(self.TAG).strip())  # TAG "": no-op
+        return ("", whole_calls(calls)) if calls else (text, [])
+
+    def parse(self, text: str) -> list[ParsedCall]:
+        """The calls `text` holds (the tag removed), or [] if it is not all calls."""
+        raise NotImplementedError
+
+
 def call_from_object(value: Any, arguments_key: str = "arguments") -> ParsedCall | None:
     """`{"name": str, arguments_key: object}` as a call; anything else is None (not a call)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):

@@ -7,39 +7,17 @@ from __future__ import annotations
 
 import json
 
-from pagedserve.server.tool_parsers.base import (
-    CallDelta,
-    ParsedCall,
-    call_from_object,
-    whole_calls,
-)
+from pagedserve.server.tool_parsers.base import ParsedCall, WholeReplyParser, call_from_object
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-class Llama3JsonParser:
-    def __init__(self) -> None:
-        self._text = ""
-        self._decided: bool | None = None  # True: the reply is calls (held); False: plain text
+class Llama3JsonParser(WholeReplyParser):
+    TAG = PYTHON_TAG
+    OPENERS = ("{",)
 
-    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
-        self._text += text
-        if self._decided is None:
-            stripped = self._text.lstrip()
-            if not stripped or PYTHON_TAG.startswith(stripped):
-                return "", []  # too early to tell
-            self._decided = stripped.startswith(("{", PYTHON_TAG))
-        if self._decided:
-            return "", []
-        shown, self._text = self._text, ""
-        return shown, []
-
-    def finish(self) -> tuple[str, list[CallDelta]]:
-        text, self._text = self._text, ""
-        if not self._decided:
-            return text, []
-        calls = _parse_calls(text.strip().removeprefix(PYTHON_TAG))
-        return ("", whole_calls(calls)) if calls else (text, [])
+    def parse(self, text: str) -> list[ParsedCall]:
+        return _parse_calls(text)
 
 
 def _parse_calls(text: str) -> list[ParsedCall]:

@@ -15,35 +15,18 @@ import math
 import warnings
 from typing import Any
 
-from pagedserve.server.tool_parsers.base import CallDelta, ParsedCall, make_call, whole_calls
+from pagedserve.server.tool_parsers.base import ParsedCall, WholeReplyParser, make_call
 
 START, END = "<|python_start|>", "<|python_end|>"
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 
 
-class PythonicParser:
-    def __init__(self) -> None:
-        self._text = ""
-        self._decided: bool | None = None  # True: the reply is calls (held); False: plain text
+class PythonicParser(WholeReplyParser):
+    TAG = START
+    OPENERS = ("[",)
 
-    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
-        self._text += text
-        if self._decided is None:
-            stripped = self._text.lstrip()
-            if not stripped or START.startswith(stripped):
-                return "", []  # too early to tell
-            self._decided = stripped.startswith(("[", START))
-        if self._decided:
-            return "", []
-        shown, self._text = self._text, ""
-        return shown, []
-
-    def finish(self) -> tuple[str, list[CallDelta]]:
-        text, self._text = self._text, ""
-        if not self._decided:
-            return text, []
-        calls = _parse_calls(text.strip().removeprefix(START).removesuffix(END).strip())
-        return ("", whole_calls(calls)) if calls else (text, [])
+    def parse(self, text: str) -> list[ParsedCall]:
+        return _parse_calls(text.removesuffix(END).strip())
 
 
 def _parse_calls(text: str) -> list[ParsedCall]:
