@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.configs import SamplingParams
+from pagedserve.configs import SamplingParams, StructuredOutputs
 from pagedserve.engine.client import EngineClient
 from pagedserve.engine.errors import RequestFailedError
 from pagedserve.engine.outputs import RequestDelta, TokenLogprob
@@ -62,7 +62,6 @@ async def beam_search(
     prompt_token_ids: list[int],
     params: BeamSearchParams,
     request_id: str,
-    eos_token_ids: Sequence[int],
     priority: int = 0,
 ) -> AsyncIterator[RequestDelta]:
     """Run the search; yield one finished delta per returned beam (choice index = rank)."""
@@ -70,7 +69,7 @@ async def beam_search(
         max_tokens=1, temperature=0.0, logprobs=2 * params.width, cache_salt=params.cache_salt
     )
     live, finished, reason = [Beam()], [], "length"
-    eos = set() if params.ignore_eos else set(eos_token_ids)
+    eos = set() if params.ignore_eos else set(engine.eos_token_ids)
     for step in range(params.max_tokens):
         entries = await _step(
             engine,
@@ -200,9 +199,11 @@ _NOT_WITH_BEAMS = {
 }
 
 
-def beam_search_params(body: Any, max_tokens: int) -> BeamSearchParams | None:
+def beam_search_params(
+    body: Any, max_tokens: int, structured_outputs: StructuredOutputs | None
+) -> BeamSearchParams | None:
     """The request's beam search (None without `use_beam_search`); raises a 400 naming the
-    field for one that beam search would not honour."""
+    field for one that beam search would not honour (an output constraint among them)."""
     if not body.use_beam_search:
         if body.length_penalty != 1.0:
             raise invalid_request(
@@ -211,6 +212,9 @@ def beam_search_params(body: Any, max_tokens: int) -> BeamSearchParams | None:
         return None
     if max_tokens < 1:
         raise invalid_request("use_beam_search needs max_tokens of at least 1.", "max_tokens")
+    if structured_outputs is not None:
+        param = structured_outputs.param
+        raise invalid_request(f"{param} is not supported with use_beam_search.", param)
     for name, asks in _NOT_WITH_BEAMS.items():
         if asks(body):
             raise invalid_request(f"{name} is not supported with use_beam_search.", name)

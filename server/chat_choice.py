@@ -28,9 +28,6 @@ class ChoicePiece:
             self.reasoning + other.reasoning, self.content + other.content, self.calls + other.calls
         )
 
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.calls)
-
 
 class ChatChoiceText:
     """A choice's text as it streams, and what the non-streamed reply gathers of it."""

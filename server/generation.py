@@ -97,7 +97,6 @@ async def start_generation(
             item.token_ids,
             item.beam,
             engine_request_id(request_id, index),
-            engine.eos_token_ids,
             item.priority,
         )
         for index, item in enumerate(inputs)

@@ -149,7 +149,8 @@ class SamplingFields(_Request):
     @property
     def continuous_usage(self) -> bool:
         """vLLM's continuous_usage_stats: each chunk carries its choice's usage so far."""
-        return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
     def to_sampling_params(
         self,
@@ -301,16 +302,6 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
-    @classmethod
-    def so_far(cls, prompt_tokens: int, completion_tokens: int, cached: int = 0) -> UsageInfo:
-        """One choice's usage up to a chunk (continuous_usage_stats)."""
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-        )
-
 
 # The lowest logprob a response shows: a token the constraint (or top-k) ruled out has -inf,
 # which JSON cannot carry; vLLM's server writes -9999.0 for it too.
@@ -346,12 +337,12 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-_ON_REQUEST = ("prompt_logprobs", "prompt_token_ids", "token_ids", "prompt_text")
+_ON_REQUEST = ("prompt_logprobs", "prompt_token_ids", "token_ids", "prompt_text", "token_strs")
 
 
-def _drop_unasked(data: dict[str, Any]) -> dict[str, Any]:
+def _drop_unasked(data: dict[str, Any], keys: tuple[str, ...] = _ON_REQUEST) -> dict[str, Any]:
     # vLLM's extensions appear only when asked for, so OpenAI-shaped bodies stay exactly so.
-    for key in _ON_REQUEST:
+    for key in keys:
         if key in data and data[key] is None:
             del data[key]
     return data
@@ -404,11 +395,7 @@ class ChatResponseMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _when_present(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        for key in ("tool_calls", "reasoning"):
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
+        return _drop_unasked(handler(self), ("tool_calls", "reasoning"))
 
 
 class ChatChoice(BaseModel):
@@ -499,10 +486,7 @@ class TokenizeResponse(BaseModel):
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("token_strs") is None:
-            data.pop("token_strs", None)
-        return data
+        return _drop_unasked(handler(self))
 
 
 class DetokenizeResponse(BaseModel):

@@ -26,6 +26,16 @@ class _ChoiceState:
     finish_reason: str | None = None
 
 
+def usage_so_far(delta: RequestDelta) -> UsageInfo:
+    """One choice's usage up to this delta (vLLM's continuous_usage_stats)."""
+    return UsageInfo(
+        prompt_tokens=delta.num_prompt_tokens,
+        completion_tokens=delta.num_output_tokens,
+        total_tokens=delta.num_prompt_tokens + delta.num_output_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=delta.num_cached_prompt_tokens),
+    )
+
+
 class RequestRecorder:
     """Observes the deltas of one HTTP request (`(prompt_idx, delta)`) until `close()`."""
 

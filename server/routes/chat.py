@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.configs import StructuredOutputs
-from pagedserve.engine.outputs import RequestDelta, TokenLogprob
+from pagedserve.engine.outputs import TokenLogprob
 from pagedserve.server.beam_search import beam_search_params
 from pagedserve.server.chat_choice import ChatChoiceText
 from pagedserve.server.errors import invalid_request
@@ -40,7 +40,7 @@ from pagedserve.server.protocol import (
     UsageInfo,
 )
 from pagedserve.server.reasoning import ReasoningSplitter, opens_in_reasoning
-from pagedserve.server.recorder import RequestRecorder
+from pagedserve.server.recorder import RequestRecorder, usage_so_far
 from pagedserve.server.request_fields import check_request_fields
 from pagedserve.server.streams import EventStreamResponse, sse_events
 from pagedserve.server.structured import to_structured_outputs
@@ -140,10 +140,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         else None
     )
     _check_hidden_reasoning(body, reasoning_parser)
-    beam = beam_search_params(body, max_tokens)
-    if beam is not None and params.structured_outputs is not None:
-        param = params.structured_outputs.param
-        raise invalid_request(f"{param} is not supported with use_beam_search.", param)
+    beam = beam_search_params(body, max_tokens, params.structured_outputs)
     recorder = RequestRecorder(
         request.app.state.metrics,
         request.state.request_id,
@@ -180,7 +177,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body.include_reasoning,
     )
     if body.stream:
-        usage = _ContinuousUsage(len(prompt.token_ids)) if body.continuous_usage else None
+        # continuous_usage_stats: each chunk carries its choice's usage so far (none yet at first)
+        num_prompt_tokens = len(prompt.token_ids)
+        usage = (
+            UsageInfo(prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens)
+            if body.continuous_usage
+            else None
+        )
         chunks = _stream_chunks(
             stream, header, output, choices, recorder, body.include_usage, usage
         )
@@ -221,21 +224,6 @@ def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None) -> Structure
     return plan.constraint
 
 
-class _ContinuousUsage:
-    """vLLM's continuous_usage_stats: each chunk carries its choice's usage so far."""
-
-    def __init__(self, num_prompt_tokens: int) -> None:
-        self.num_prompt_tokens = num_prompt_tokens
-        self.choices: dict[int, tuple[int, int]] = {}  # index -> (output tokens, cached prompt)
-
-    def update(self, delta: RequestDelta) -> None:
-        self.choices[delta.index] = (delta.num_output_tokens, delta.num_cached_prompt_tokens)
-
-    def of(self, index: int) -> UsageInfo:
-        num_output, num_cached = self.choices.get(index, (0, 0))
-        return UsageInfo.so_far(self.num_prompt_tokens, num_output, num_cached)
-
-
 async def _stream_chunks(
     stream: AsyncIterator[Item],
     header: dict[str, Any],
@@ -243,7 +231,7 @@ async def _stream_chunks(
     choices: list[ChatChoiceText],
     recorder: RequestRecorder,
     include_usage: bool,
-    usage: _ContinuousUsage | None = None,
+    usage: UsageInfo | None = None,
 ) -> AsyncIterator[str]:
     exclude = None if include_usage else {"usage"}  # "usage": null only when usage is asked for
 
@@ -253,7 +241,7 @@ async def _stream_chunks(
         return ChatCompletionChunk(
             **header,
             choices=[choice],
-            usage=usage.of(index) if usage is not None else None,
+            usage=usage,
             **(prompt if first else {}),
         ).model_dump_json(exclude=exclude)
 
@@ -264,7 +252,7 @@ async def _stream_chunks(
                 yield chunk(index, ChatDelta(content=output.echo))
         async for _, delta in stream:
             if usage is not None:
-                usage.update(delta)
+                usage = usage_so_far(delta)
             choice = choices[delta.index]
             logprobs = output.logprobs(delta.new_logprobs)
             # Every token's id is sent (return_token_ids), held-back text or not.

@@ -26,10 +26,8 @@ from pagedserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    StreamOptions,
-    UsageInfo,
 )
-from pagedserve.server.recorder import RequestRecorder
+from pagedserve.server.recorder import RequestRecorder, usage_so_far
 from pagedserve.server.request_fields import check_request_fields
 from pagedserve.server.streams import EventStreamResponse, sse_events
 from pagedserve.server.structured import to_structured_outputs
@@ -79,11 +77,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     logit_bias = parse_logit_bias(body.logit_bias, engine.vocab_size)
     bad_words = bad_words_token_ids(body.bad_words, engine)
     structured_outputs = to_structured_outputs(body)
-    if body.use_beam_search and structured_outputs is not None:
-        raise invalid_request(
-            f"{structured_outputs.param} is not supported with use_beam_search.",
-            structured_outputs.param,
-        )
     inputs = []
     for prompt in prompts:
         max_tokens = resolve_max_tokens(
@@ -102,7 +95,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             defaults=engine.sampling_defaults,
             bad_words_token_ids=bad_words,
         )
-        beam = beam_search_params(body, max_tokens)
+        beam = beam_search_params(body, max_tokens, structured_outputs)
         inputs.append(EngineInput(prompt.token_ids, params, body.priority, beam))
     n = inputs[0].params.n
     recorder = RequestRecorder(
@@ -132,7 +125,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     }
     if body.stream:
         chunks = _stream_chunks(
-            stream, header, choices, n, recorder, body.stream_options, body.return_token_ids
+            stream,
+            header,
+            choices,
+            n,
+            recorder,
+            body.include_usage,
+            body.continuous_usage,
+            body.return_token_ids,
         )
         return EventStreamResponse(sse_events(chunks))
     response = await _collect(
@@ -147,11 +147,10 @@ async def _stream_chunks(
     choices: dict[tuple[int, int], ChoiceText],
     n: int,
     recorder: RequestRecorder,
-    options: StreamOptions | None,
+    include_usage: bool,
+    continuous_usage: bool,
     return_token_ids: bool,
 ) -> AsyncIterator[str]:
-    include_usage = options is not None and options.include_usage
-    continuous = include_usage and options.continuous_usage_stats  # type: ignore[union-attr]
     exclude = None if include_usage else {"usage"}  # "usage": null only when usage is asked for
     started: set[tuple[int, int]] = set()  # choices whose first chunk (with the prompt's ids) went
     async with aclosing(stream):
@@ -171,13 +170,7 @@ async def _stream_chunks(
             if return_token_ids and key not in started:
                 started.add(key)
                 choice.prompt_token_ids = choices[key].prompt_token_ids
-            usage = (
-                UsageInfo.so_far(
-                    delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_prompt_tokens
-                )
-                if continuous
-                else None
-            )
+            usage = usage_so_far(delta) if continuous_usage else None
             yield CompletionResponse(**header, choices=[choice], usage=usage).model_dump_json(
                 exclude=exclude
             )

@@ -47,17 +47,6 @@ def whole_calls(calls: Iterable[ParsedCall], first_index: int = 0) -> list[CallD
     ]
 
 
-def assemble(deltas: Iterable[CallDelta]) -> list[ParsedCall]:
-    """The calls that the pieces make up, in index order."""
-    names: dict[int, str] = {}
-    arguments: dict[int, str] = {}
-    for delta in deltas:
-        if delta.name is not None:
-            names[delta.index] = delta.name
-        arguments[delta.index] = arguments.get(delta.index, "") + delta.arguments
-    return [ParsedCall(names[index], arguments.get(index, "")) for index in sorted(names)]
-
-
 class WholeReplyParser:
     """A reply that is either calls, told by how it starts (after an optional tag), or text.
     Text streams as it comes; calls are held to the end and read whole by `parse`, all or none:

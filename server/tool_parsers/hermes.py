@@ -5,7 +5,6 @@ whose JSON does not parse stays in the content, as the model wrote it."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 from pagedserve.server.json_input import load_json
 from pagedserve.server.tool_parsers.base import (
@@ -48,7 +47,7 @@ class HermesParser:
         text, self._pending = self._pending, ""
         if not self._in_calls:
             return text, []
-        calls = self._read_blocks(text, _BLOCK.finditer(text))  # a last block may be unclosed
+        calls = self._read_blocks(text)  # a last block may be unclosed
         # Only text from the first tag on is here (what came before was streamed by `feed`):
         # the whitespace between calls is the model's layout, not content.
         return "".join(self._content).strip(), calls
@@ -60,12 +59,12 @@ class HermesParser:
             return []
         end += len(CLOSE)
         done, self._pending = self._pending[:end], self._pending[end:]
-        return self._read_blocks(done, _BLOCK.finditer(done))
+        return self._read_blocks(done)
 
-    def _read_blocks(self, text: str, blocks: Iterable[re.Match[str]]) -> list[CallDelta]:
+    def _read_blocks(self, text: str) -> list[CallDelta]:
         calls: list[ParsedCall] = []
         position = 0
-        for match in blocks:
+        for match in _BLOCK.finditer(text):
             self._content.append(text[position : match.start()])
             position = match.end()
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
@@ -18,6 +19,13 @@ from pagedserve.engine.outputs import EngineStats, RequestDelta, RequestTimings,
 from pagedserve.server.app import create_app
 
 EOS_TOKEN_ID = 257
+
+
+def sse_json(text: str) -> list[dict[str, Any]]:
+    """The JSON events of a streamed response's body, which must end with `data: [DONE]`."""
+    lines = [line for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
 
 
 class ByteTokenizer:

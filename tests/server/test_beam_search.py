@@ -75,6 +75,7 @@ class TableEngine:
     """Next-token logprobs by the last token of the prompt, best first."""
 
     tokenizer = ByteTokenizer()
+    eos_token_ids = (EOS,)
 
     def __init__(self, table: dict[int, list[tuple[int, float]]]) -> None:
         self.table = table
@@ -87,7 +88,7 @@ class TableEngine:
 
 async def _search(table, **params) -> list[tuple[str, tuple[int, ...], str]]:
     settings = {"width": 2, "max_tokens": 3, **params}
-    deltas = beam_search(TableEngine(table), [ord(">")], BeamSearchParams(**settings), "r", [EOS])
+    deltas = beam_search(TableEngine(table), [ord(">")], BeamSearchParams(**settings), "r")
     return [(d.new_text, d.new_token_ids, d.finish_reason) async for d in deltas]
 
 
@@ -160,7 +161,7 @@ class FailingEngine(TableEngine):
 @pytest.mark.anyio
 async def test_a_failed_step_cancels_its_other_requests_and_fails_the_search():
     engine = FailingEngine(TABLE, "error")
-    deltas = beam_search(engine, [ord(">")], BeamSearchParams(2, 3), "r", [EOS])
+    deltas = beam_search(engine, [ord(">")], BeamSearchParams(2, 3), "r")
     with pytest.raises(RequestFailedError, match="boom"):
         [delta async for delta in deltas]
     assert engine.open == engine.closed  # nothing left running in the engine
@@ -170,7 +171,7 @@ async def test_a_failed_step_cancels_its_other_requests_and_fails_the_search():
 async def test_an_aborted_step_ends_the_search_with_the_beams_so_far():
     engine = FailingEngine({**TABLE}, "abort")
     engine.generate = _no_wait(engine)  # the sibling answers at once this time
-    deltas = beam_search(engine, [ord(">")], BeamSearchParams(2, 3), "r", [EOS])
+    deltas = beam_search(engine, [ord(">")], BeamSearchParams(2, 3), "r")
     results = [(d.new_text, d.finish_reason) async for d in deltas]
     assert results == [("a", "abort"), ("b", "abort")]  # one token each: step 2 was aborted
 
@@ -192,7 +193,7 @@ async def test_an_abort_at_the_first_step_returns_n_aborted_choices():
         async def generate(self, token_ids, params, request_id, priority=0):
             yield RequestDelta(request_id, 0, (), "", None, 1, 0, True, "abort")
 
-    deltas = beam_search(AbortingEngine(TABLE), [ord(">")], BeamSearchParams(2, 3), "r", [EOS])
+    deltas = beam_search(AbortingEngine(TABLE), [ord(">")], BeamSearchParams(2, 3), "r")
     assert [(d.index, d.new_text, d.finish_reason) async for d in deltas] == [
         (0, "", "abort"),
         (1, "", "abort"),

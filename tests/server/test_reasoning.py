@@ -3,12 +3,10 @@ its answer, in every chunk split, streamed and whole, before the tool parser rea
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from pagedserve.server.reasoning import ReasoningSplitter, opens_in_reasoning
-from tests.server.conftest import FakeEngine
+from tests.server.conftest import FakeEngine, sse_json
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -70,7 +68,7 @@ def test_the_reasoning_comes_back_apart_from_the_answer(thinking_client):
 
 def test_streamed_reasoning_comes_in_its_own_delta_field(thinking_client):
     text = _chat(thinking_client, stream=True).text
-    events = [json.loads(line[6:]) for line in text.splitlines() if line[6:7] == "{"]
+    events = sse_json(text)
     deltas = [event["choices"][0]["delta"] for event in events]
     assert "".join(delta.get("reasoning", "") for delta in deltas) == "Two words."
     assert "".join(delta.get("content", "") for delta in deltas) == "\n\nHello there"
@@ -83,7 +81,7 @@ def test_include_reasoning_false_leaves_it_out_and_refuses_what_would_spell_it(t
     assert message == {"role": "assistant", "content": "\n\nHello there"}
     text = _chat(thinking_client, include_reasoning=False, stream=True).text
     assert "Two words" not in text and '"reasoning"' not in text
-    events = [json.loads(line[6:]) for line in text.splitlines() if line[6:7] == "{"]
+    events = sse_json(text)
     content = "".join(event["choices"][0]["delta"].get("content", "") for event in events)
     assert content == "\n\nHello there"
     for field in ({"logprobs": True}, {"return_token_ids": True}):

@@ -3,10 +3,11 @@ and tokenization controls (server/prompts.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
+
+from tests.server.conftest import sse_json
 
 USER = [{"role": "user", "content": "hi"}]
 ROUTES = {
@@ -240,7 +241,7 @@ def test_continuous_usage_stats_put_each_choice_s_usage_so_far_in_every_chunk(cl
     options = {"include_usage": True, "continuous_usage_stats": True}
     body = {**ROUTES[route], "max_tokens": 3, "n": 2, "stream": True, "stream_options": options}
     text = client.post(route, json=body).text
-    events = [json.loads(line[6:]) for line in text.splitlines() if line[6:7] == "{"]
+    events = sse_json(text)
     *chunks, final = events
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6
     prompt_tokens = final["usage"]["prompt_tokens"]
@@ -343,7 +344,7 @@ def test_chat_echo_starts_the_reply_with_the_assistant_prefill(client):
 def test_streamed_chat_echo_follows_the_role_chunk(client):
     body = {"messages": PREFILL, "max_tokens": 2, "echo": True, "stream": True, **CONTINUE}
     text = client.post("/v1/chat/completions", json=body).text
-    events = [json.loads(line[6:]) for line in text.splitlines() if line[6:].startswith("{")]
+    events = sse_json(text)
     deltas = [event["choices"][0]["delta"] for event in events]
     assert deltas[0]["role"] == "assistant" and deltas[1] == {"content": "Well,"}
     assert "".join(delta.get("content", "") for delta in deltas) == "Well,ab"
@@ -357,6 +358,6 @@ def test_return_prompt_text_gives_the_rendered_chat_prompt(client, stream):
     if not stream:
         assert response.json()["prompt_text"] == rendered
         return
-    events = [json.loads(line[6:]) for line in response.text.splitlines() if line[6:7] == "{"]
+    events = sse_json(response.text)
     assert events[0]["prompt_text"] == rendered
     assert all("prompt_text" not in event for event in events[1:])

@@ -4,21 +4,13 @@ named `token_id:<id>`)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.server.conftest import EOS_TOKEN_ID
+from tests.server.conftest import EOS_TOKEN_ID, sse_json
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT_PROMPT = list(b"<user>hi\n<assistant>")  # the fake template, byte tokens
 LETTERS = list(b"abcdefgh")
-
-
-def _events(response) -> list[dict]:
-    lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
 
 
 def test_completions_return_each_prompt_and_choice_token_ids(client):
@@ -51,7 +43,7 @@ def test_streamed_completions_send_the_prompt_ids_first_then_each_chunk_s_own(cl
         "/v1/completions",
         json={"prompt": "ab", "max_tokens": 12, "n": 2, "stream": True, "return_token_ids": True},
     )
-    chunks = [event["choices"][0] for event in _events(response)]
+    chunks = [event["choices"][0] for event in sse_json(response.text)]
     for index in (0, 1):
         own = [chunk for chunk in chunks if chunk["index"] == index]
         assert own[0]["prompt_token_ids"] == list(b"ab")
@@ -77,7 +69,7 @@ def test_streamed_chat_puts_prompt_ids_on_the_role_chunks_and_ids_on_every_delta
         "/v1/chat/completions",
         json={"messages": USER, "max_tokens": 12, "stream": True, "return_token_ids": True},
     )
-    events = _events(response)
+    events = sse_json(response.text)
     role, *rest = events
     assert role["prompt_token_ids"] == CHAT_PROMPT and role["choices"][0]["delta"]["role"]
     assert all("prompt_token_ids" not in event for event in rest)

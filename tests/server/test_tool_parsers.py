@@ -16,7 +16,6 @@ from pagedserve.server.tool_parsers import (
     ParsedCall,
     PythonicParser,
 )
-from pagedserve.server.tool_parsers.base import assemble
 
 WEATHER = ParsedCall("get_weather", '{"city": "Paris"}')
 ADD = ParsedCall("add", '{"a": 1, "b": 2}')
@@ -35,6 +34,17 @@ HERMES_CASES = [
     ("no calls at all, < and <tool but no tag", "no calls at all, < and <tool but no tag", []),
     ("<tool_call>" + json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}}), "", [ADD]),
 ]
+
+
+def assemble(deltas: list[CallDelta]) -> list[ParsedCall]:
+    """The calls that streamed pieces make up: named by their first piece, arguments joined."""
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    for delta in deltas:
+        if delta.name is not None:
+            names[delta.index] = delta.name
+        arguments[delta.index] = arguments.get(delta.index, "") + delta.arguments
+    return [ParsedCall(names[index], arguments.get(index, "")) for index in sorted(names)]
 
 
 def _run(parser, pieces: list[str]) -> tuple[str, list[ParsedCall]]:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.server.conftest import FakeEngine
+from tests.server.conftest import FakeEngine, sse_json
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 WEATHER = {
@@ -228,12 +228,6 @@ def test_forced_arguments_are_an_object_whatever_else_the_schema_allows(
     assert json.loads(params.structured_outputs.spec) == {**parameters, "type": "object"}
 
 
-def _stream_events(response) -> list[dict]:
-    lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-
-
 @pytest.mark.parametrize("mode", ["named", "required"])
 def test_forced_calls_stream_their_arguments_as_the_model_writes_them(
     client, engine: FakeEngine, mode
@@ -246,7 +240,7 @@ def test_forced_calls_stream_their_arguments_as_the_model_writes_them(
         engine.script = f'[{{"name": "get_weather", "arguments": {arguments}}}]'
         choice = "required"
     fields = {"tools": [WEATHER], "tool_choice": choice, "max_tokens": len(engine.script) + 1}
-    events = _stream_events(_chat(client, stream=True, **fields))
+    events = sse_json(_chat(client, stream=True, **fields).text)
     pieces = [
         piece for event in events for piece in event["choices"][0]["delta"].get("tool_calls", [])
     ]
@@ -279,7 +273,7 @@ def test_auto_streams_each_call_when_its_block_closes(client_with, engine: FakeE
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "P"}}</tool_call>'
     engine.script = call + call.replace('"P"', '"Q"')
     fields = {"max_tokens": 2 * len(call) + 1, "stream": True, "return_token_ids": True}
-    events = _stream_events(_chat(client, tools=[WEATHER], **fields))[1:]  # after the role's
+    events = sse_json(_chat(client, tools=[WEATHER], **fields).text)[1:]  # after the role's
     tokens_before, num_tokens = [], 0  # per call: the tokens streamed before it
     for event in events:
         (choice,) = event["choices"]
