@@ -182,9 +182,14 @@ def _finished_delta(
 
 
 # Fields that shape sampling, which a beam search does not do: asked for, they are a 400 rather
-# than dropped. (temperature, top_p, top_k, min_p and seed have no effect: the search is exact,
-# as vLLM's.)
+# than dropped. The search ranks by the model's own logprobs, which is what temperature 0 or 1,
+# top_p 1, top_k 0/-1 and min_p 0 ask for (vLLM accepts any value and ignores it); a seed asks
+# for a repeatable answer, which an exact search gives.
 _NOT_WITH_BEAMS = {
+    "temperature": lambda body: body.temperature not in (None, 0, 1),
+    "top_p": lambda body: body.top_p not in (None, 1),
+    "top_k": lambda body: body.top_k not in (None, 0, -1),
+    "min_p": lambda body: body.min_p not in (None, 0),
     "logprobs": lambda body: body.logprobs is not None and body.logprobs is not False,
     "prompt_logprobs": lambda body: body.prompt_logprobs is not None,
     "stop": lambda body: bool(body.stop),

@@ -63,6 +63,13 @@ class StreamOptions(_Options):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
 
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self) -> StreamOptions:
+        # vLLM ignores it alone; asked for, it would then be answered without any usage.
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage")
+        return self
+
 
 class JsonSchemaFormat(_Options):
     name: str = Field(max_length=64)

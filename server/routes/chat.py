@@ -133,13 +133,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         defaults=engine.sampling_defaults,
         bad_words_token_ids=bad_words_token_ids(body.bad_words, engine),
     )
+    server_parser = request.app.state.config.server.reasoning_parser
     # A constrained reply is not split: the client asked for its whole shape.
-    reasoning_parser = (
-        request.app.state.config.server.reasoning_parser
-        if params.structured_outputs is None
-        else None
-    )
-    _check_hidden_reasoning(body, reasoning_parser)
+    reasoning_parser = server_parser if params.structured_outputs is None else None
+    _check_hidden_reasoning(body, server_parser, reasoning_parser)
     beam = beam_search_params(body, max_tokens, params.structured_outputs)
     recorder = RequestRecorder(
         request.app.state.metrics,
@@ -192,10 +189,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return JSONResponse(response.model_dump())
 
 
-def _check_hidden_reasoning(body: ChatCompletionRequest, reasoning_parser: str | None) -> None:
-    """With the reasoning left out (include_reasoning false), the per-token fields would still
-    spell it: refused rather than answered with them silently dropped."""
-    if reasoning_parser is None or body.include_reasoning:
+def _check_hidden_reasoning(
+    body: ChatCompletionRequest, server_parser: str | None, reasoning_parser: str | None
+) -> None:
+    """include_reasoning false needs a server that can tell the reasoning apart; and with the
+    reasoning left out, the per-token fields would still spell it: both refused rather than
+    answered as if honoured. (A constrained reply, not split, has none to leave out.)"""
+    if body.include_reasoning:
+        return
+    if server_parser is None:
+        raise invalid_request(
+            "include_reasoning false needs the server's --reasoning-parser.", "include_reasoning"
+        )
+    if reasoning_parser is None:
         return
     for name in ("logprobs", "return_token_ids"):
         if getattr(body, name):

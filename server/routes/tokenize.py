@@ -40,6 +40,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
         token_ids = chat_prompt(body.messages, engine, tools or None, options).token_ids
     else:
+        _check_no_chat_controls(body)
         add_special_tokens = body.add_special_tokens is not False
         token_ids = encode_text(engine, body.prompt, "prompt", add_special_tokens)
     return TokenizeResponse(
@@ -50,6 +51,19 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         if body.return_token_strs
         else None,
     )
+
+
+def _check_no_chat_controls(body: TokenizeRequest) -> None:
+    """The chat controls shape a rendered chat: with a plain prompt they would do nothing."""
+    asked = {
+        "tools": bool(body.tools),
+        "add_generation_prompt": not body.add_generation_prompt,
+        "continue_final_message": body.continue_final_message,
+        "chat_template_kwargs": bool(body.chat_template_kwargs),
+    }
+    for name, asks in asked.items():
+        if asks:
+            raise invalid_request(f"{name} applies to messages, not to a prompt.", name)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse)

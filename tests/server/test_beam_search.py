@@ -23,6 +23,10 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "use_b
     ("fields", "param"),
     [
         ({"logprobs": True}, "logprobs"),
+        ({"temperature": 0.7}, "temperature"),  # 0 and 1 rank by the model's own logprobs
+        ({"top_p": 0.9}, "top_p"),
+        ({"top_k": 5}, "top_k"),
+        ({"min_p": 0.1}, "min_p"),
         ({"max_tokens": 0, "echo": True}, "max_tokens"),
         ({"stop": ["x"]}, "stop"),
         ({"stop_token_ids": [5]}, "stop_token_ids"),
@@ -51,7 +55,7 @@ def test_what_beam_search_would_not_honour_is_a_400(client, engine, route, field
 
 def test_beams_come_back_as_choices_best_first_with_their_usage(client, engine: FakeEngine):
     # The fake's next token is always "a" (logprob -0.5) with "z" (-1.5) the runner-up.
-    response = client.post("/v1/completions", json={**COMPLETION, "n": 2, "temperature": 0.9})
+    response = client.post("/v1/completions", json={**COMPLETION, "n": 2, "temperature": 1.0})
     assert response.status_code == 200, response.text
     body = response.json()
     assert [choice["text"] for choice in body["choices"]] == ["aaa", "aaz"]

@@ -168,3 +168,10 @@ def test_a_constrained_reply_may_come_with_logprobs_when_reasoning_is_hidden(cli
     fields = {"response_format": {"type": "json_object"}, "include_reasoning": False}
     response = _chat(client, logprobs=True, **fields)
     assert response.status_code == 200, response.text  # nothing is split, nothing hidden
+
+
+def test_include_reasoning_false_needs_a_reasoning_parser(client):
+    # Without one the server cannot tell the reasoning apart: refused, not answered whole.
+    response = _chat(client, include_reasoning=False, max_tokens=2)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "include_reasoning"

@@ -256,10 +256,12 @@ def test_continuous_usage_stats_put_each_choice_s_usage_so_far_in_every_chunk(cl
     assert seen == {0: 3, 1: 3}
 
 
-def test_continuous_usage_stats_without_include_usage_adds_nothing(client):
+def test_continuous_usage_stats_without_include_usage_is_refused_not_ignored(client):
     options = {"continuous_usage_stats": True}
     body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": options}
-    assert '"usage"' not in client.post("/v1/completions", json=body).text
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert "include_usage" in response.json()["error"]["message"]
 
 
 # --- nested objects -------------------------------------------------------------------------------

@@ -284,6 +284,20 @@ def test_tokenize_counts_chat_tools_and_returns_token_strings_when_asked(client,
     assert strs["token_strs"] == ["h", "i"]
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("add_generation_prompt", False),
+        ("continue_final_message", True),
+        ("chat_template_kwargs", {"v": 1}),
+    ],
+)
+def test_tokenize_refuses_chat_controls_with_a_plain_prompt(client, field, value):
+    response = client.post("/tokenize", json={"prompt": "hi", field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
 def test_tokenize_refuses_a_client_chat_template_rather_than_ignoring_it(client):
     body = {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}
     response = client.post("/tokenize", json=body)
