@@ -12,7 +12,12 @@ from pagedserve.configs.engine import (
     parse_bytes,
 )
 from pagedserve.configs.loader import load_engine_config
-from pagedserve.configs.sampling import SamplingParams, SamplingParamsError, StructuredOutputs
+from pagedserve.configs.sampling import (
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputs,
+    ThinkBlock,
+)
 from pagedserve.configs.speculative import SpeculativeConfig
 
 __all__ = [
@@ -25,6 +30,7 @@ __all__ = [
     "ServerConfig",
     "StructuredOutputs",
     "SpeculativeConfig",
+    "ThinkBlock",
     "load_engine_config",
     "parse_bytes",
 ]

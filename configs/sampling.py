@@ -36,15 +36,38 @@ def _finite(value: float) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class ThinkBlock:
+    """A reasoning model's think block (`<think>` ... `</think>`, each tag one token), which an
+    output constraint leaves free, as vLLM's and SGLang's structured outputs do under a
+    `--reasoning-parser`: the model reasons in free text, and the grammar applies from the token
+    after `close_token_id`. `inside`: the reply starts inside the block (the prompt opened it);
+    otherwise its first token, and only its first, may open the block."""
+
+    open_token_id: int
+    close_token_id: int
+    inside: bool = False
+
+    def __post_init__(self) -> None:
+        ids = (self.open_token_id, self.close_token_id)
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in ids) and ids[0] != ids[1],
+            "structured_outputs",
+            "a think block's tags must be two different token ids >= 0",
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class StructuredOutputs:
     """A decoding constraint, as vLLM's `structured_outputs` names its kinds. `spec` is the JSON
     schema text (json), the regex, the EBNF grammar, the tuple of choices, or "" (json_object:
     any JSON object). The engine compiles it; equal constraints compile once, so `param` (the
-    request field that carried it, named in errors) is not part of the identity."""
+    request field that carried it, named in errors) and `think` (where the reply may reason
+    first, outside the grammar) are not part of the identity."""
 
     kind: Literal["json", "json_object", "regex", "choice", "grammar"]
     spec: str | tuple[str, ...] = ""
     param: str = field(default="structured_outputs", compare=False)
+    think: ThinkBlock | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _check(self.kind in CONSTRAINT_KINDS, self.param, f"unknown constraint {self.kind!r}")
@@ -69,6 +92,11 @@ class StructuredOutputs:
             num_chars <= MAX_CONSTRAINT_CHARS,
             self.param,
             f"the constraint is longer than {MAX_CONSTRAINT_CHARS} characters",
+        )
+        _check(
+            self.think is None or isinstance(self.think, ThinkBlock),
+            self.param,
+            "think must be a ThinkBlock",
         )
 
 

@@ -83,6 +83,13 @@ class RequestValidator:
             raise InvalidRequestError(
                 f"allowed_token_ids must be < {vocab_size}", "allowed_token_ids"
             )
+        constraint = params.structured_outputs
+        if constraint is not None and constraint.think is not None:
+            think = constraint.think
+            if max(think.open_token_id, think.close_token_id) >= vocab_size:
+                raise InvalidRequestError(
+                    f"a think block's tags must be token ids < {vocab_size}", constraint.param
+                )
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
         if num_prompt_tokens + max_tokens > self.max_model_len:

@@ -156,7 +156,8 @@ class LLMEngine:
         if request.params.structured_outputs is not None:
             if request.grammar is None:
                 raise RuntimeError(f"request {request.request_id}: constrained but not compiled")
-            matchers = list(self.structured.new_matchers(request.grammar, num_choices))
+            think = request.params.structured_outputs.think
+            matchers = list(self.structured.new_matchers(request.grammar, num_choices, think))
         # Refuses an id in use, before queueing.
         self.outputs.add(request.request_id, sequences, matchers)
         for sequence in sequences:

@@ -12,13 +12,21 @@ parser then reads).
   false`) it is all content.
 
 Tags split across chunks are held back until they can be told apart from text. The text after
-`</think>` is the content as written, its leading newlines included (as vLLM returns it). A reply
-under an output constraint is not split (the chat route passes no splitter): the client asked
-for the whole reply's shape (and most constraints leave no room for a think block).
+`</think>` is the content as written, its leading newlines included (as vLLM returns it).
+
+An output constraint (a schema, a forced tool call) shapes the answer, not the reasoning: where
+the tokenizer has each tag as one token (Qwen3's, DeepSeek-R1's), the grammar waits until the
+think block has closed (`leave_thinking_free`; the engine's think_gate.py), as vLLM and SGLang do,
+and the reply is split as any other. Elsewhere the grammar shapes the whole reply from its first
+token, and it is not split (the chat route passes no splitter).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
+from pagedserve.configs import SamplingParams, ThinkBlock
 from pagedserve.server.tool_parsers.base import held_back
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -32,6 +40,22 @@ def opens_in_reasoning(parser: str, prompt_text: str, prefill: str = "") -> bool
     if parser == "deepseek_r1":
         return True
     return prompt_text.rstrip().endswith(OPEN) or prefill.rfind(OPEN) > prefill.rfind(CLOSE)
+
+
+def leave_thinking_free(
+    params: SamplingParams, parser: str | None, tokenizer: Any, inside: bool
+) -> SamplingParams:
+    """`params` with its output constraint applied after the think block, under a reasoning
+    parser and a tokenizer whose tags are one token each; else `params` as they are. `inside`:
+    the reply starts in the block (opens_in_reasoning)."""
+    constraint = params.structured_outputs
+    if parser is None or constraint is None:
+        return params
+    tags = [tokenizer.encode(tag, add_special_tokens=False) for tag in (OPEN, CLOSE)]
+    if any(len(ids) != 1 for ids in tags):
+        return params
+    think = ThinkBlock(tags[0][0], tags[1][0], inside)
+    return replace(params, structured_outputs=replace(constraint, think=think))
 
 
 class ReasoningSplitter:

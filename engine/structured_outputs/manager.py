@@ -13,11 +13,13 @@ from typing import Any
 import xgrammar
 from torch import Tensor
 
-from pagedserve.configs import StructuredOutputs
+from pagedserve.configs import StructuredOutputs, ThinkBlock
 from pagedserve.engine.structured_outputs.compiler import GrammarCompiler
 from pagedserve.engine.structured_outputs.limits import MAX_MASK_FILL_S
+from pagedserve.engine.structured_outputs.think_gate import ThinkGatedMatcher
 
-Matcher = xgrammar.GrammarMatcher
+# A choice's grammar state: xgrammar's matcher, or one that leaves a think block free first.
+Matcher = xgrammar.GrammarMatcher | ThinkGatedMatcher
 
 
 class GrammarError(Exception):
@@ -57,21 +59,28 @@ class StructuredOutputManager:
         self.mask_times_s: deque[float] = deque(maxlen=100_000)  # per step with a constrained row
         self._slow_fills: dict[int, float] = {}  # id(matcher) -> seconds, this step's over-limit
 
-    def new_matchers(self, grammar: xgrammar.CompiledGrammar, num_choices: int) -> list[Matcher]:
-        """One matcher per choice (each advances by its own tokens)."""
+    def new_matchers(
+        self, grammar: xgrammar.CompiledGrammar, num_choices: int, think: ThinkBlock | None = None
+    ) -> list[Matcher]:
+        """One matcher per choice (each advances by its own tokens); with `think`, each leaves
+        the reply's think block free (think_gate.py)."""
         self.num_constrained_requests += 1
-        return [Matcher(grammar) for _ in range(num_choices)]
+        matchers: list[Matcher] = [xgrammar.GrammarMatcher(grammar) for _ in range(num_choices)]
+        if think is not None:
+            matchers = [ThinkGatedMatcher(matcher, think) for matcher in matchers]
+        return matchers
 
     def compile(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
         return self.compiler.compile(constraint)
 
     def apply(self, logits: Tensor, matchers: list[Matcher | None]) -> None:
-        """Mask, in place, the rows of `logits` [num_rows, vocab_size] whose matcher is set.
+        """Mask, in place, the rows of `logits` [num_rows, vocab_size] whose matcher is set (and
+        not inside a think block it leaves free).
 
         A row whose grammar allows no token keeps an all -inf row: whatever is sampled there is
         then rejected by `advance`, which ends that choice (never a hang).
         """
-        rows = [index for index, matcher in enumerate(matchers) if matcher is not None]
+        rows = [index for index, matcher in enumerate(matchers) if masks_next_token(matcher)]
         if not rows:
             return
         start = time.perf_counter()
@@ -122,3 +131,10 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.compiler.shutdown()
+
+
+def masks_next_token(matcher: Matcher | None) -> bool:
+    """Whether this row's next token is masked: it has a grammar, not waiting out a think block."""
+    if isinstance(matcher, ThinkGatedMatcher):
+        return matcher.masks_next_token
+    return matcher is not None

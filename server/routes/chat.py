@@ -39,7 +39,11 @@ from pagedserve.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from pagedserve.server.reasoning import ReasoningSplitter, opens_in_reasoning
+from pagedserve.server.reasoning import (
+    ReasoningSplitter,
+    leave_thinking_free,
+    opens_in_reasoning,
+)
 from pagedserve.server.recorder import RequestRecorder, usage_so_far
 from pagedserve.server.request_fields import check_request_fields
 from pagedserve.server.streams import EventStreamResponse, sse_events
@@ -134,8 +138,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         bad_words_token_ids=bad_words_token_ids(body.bad_words, engine),
     )
     server_parser = request.app.state.config.server.reasoning_parser
-    # A constrained reply is not split: the client asked for its whole shape.
-    reasoning_parser = server_parser if params.structured_outputs is None else None
+    prefill = body.messages[-1].text if body.continue_final_message else ""
+    in_reasoning = bool(server_parser) and opens_in_reasoning(server_parser, prompt.text, prefill)
+    params = leave_thinking_free(params, server_parser, engine.tokenizer, in_reasoning)
+    # A constrained reply is split only where its grammar waits for the end of the think block;
+    # otherwise the grammar shapes it whole, from its first token.
+    constraint = params.structured_outputs
+    reasoning_parser = server_parser if constraint is None or constraint.think else None
     _check_hidden_reasoning(body, server_parser, reasoning_parser)
     beam = beam_search_params(body, max_tokens, params.structured_outputs)
     recorder = RequestRecorder(
@@ -153,13 +162,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         "created": request.state.created,  # arrival, not the first token
         "model": engine.model_name,
     }
-    prefill = body.messages[-1].text if body.continue_final_message else ""
     choices = [
         ChatChoiceText(
             plan.new_parser() if plan else None,
-            ReasoningSplitter(opens_in_reasoning(reasoning_parser, prompt.text, prefill))
-            if reasoning_parser
-            else None,
+            ReasoningSplitter(in_reasoning) if reasoning_parser else None,
             body.parallel_tool_calls,
         )
         for _ in range(params.n)
@@ -194,7 +200,8 @@ def _check_hidden_reasoning(
 ) -> None:
     """include_reasoning false needs a server that can tell the reasoning apart; and with the
     reasoning left out, the per-token fields would still spell it: both refused rather than
-    answered as if honoured. (A constrained reply, not split, has none to leave out.)"""
+    answered as if honoured. (A constrained reply that the grammar shapes whole is not split:
+    there is none to leave out.)"""
     if body.include_reasoning:
         return
     if server_parser is None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve.configs import ThinkBlock
 from pagedserve.server.reasoning import ReasoningSplitter, opens_in_reasoning
-from tests.server.conftest import FakeEngine, sse_json
+from tests.server.conftest import ByteTokenizer, FakeEngine, sse_json
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -141,13 +142,15 @@ TOOLS = [
 def test_a_constrained_reply_is_not_taken_for_reasoning(
     client_with, engine: FakeEngine, parser, fields, script, stream
 ):
-    # The grammar forces the reply's shape from its first token: there is no think block in it,
-    # even where the parser would otherwise start inside one (deepseek_r1).
+    # Without one-token think tags the grammar forces the reply's shape from its first token:
+    # there is no think block in it, even where the parser would otherwise start inside one
+    # (deepseek_r1).
     engine.script, engine.max_model_len = script, 4096
     client = client_with(reasoning_parser=parser)
     response = _chat(client, stream=stream, **fields)
     assert response.status_code == 200, response.text
     assert '"reasoning"' not in response.text
+    assert engine.requests[-1][2].structured_outputs.think is None
     if "tools" in fields:
         assert "get_weather" in response.text and "tool_calls" in response.text
         assert '"finish_reason":"tool_calls"' in response.text.replace(" ", "")
@@ -175,3 +178,67 @@ def test_include_reasoning_false_needs_a_reasoning_parser(client):
     response = _chat(client, include_reasoning=False, max_tokens=2)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "include_reasoning"
+
+
+class ThinkTagTokenizer(ByteTokenizer):
+    """ByteTokenizer with <think> and </think> as one token each (258, 259), as Qwen3's are."""
+
+    TAGS = {"<think>": 258, "</think>": 259}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if text in self.TAGS:
+            return [self.TAGS[text]]
+        return super().encode(text, add_special_tokens)
+
+
+@pytest.mark.parametrize(("parser", "inside"), [("deepseek_r1", True), ("qwen3", False)])
+@pytest.mark.parametrize(
+    ("fields", "answer"),
+    [
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
+            '{"city": "Paris"}',
+        ),
+        ({"tools": TOOLS, "tool_choice": "required"}, '[{"name": "get_weather", "arguments": {}}]'),
+        ({"response_format": {"type": "json_object"}}, '{"a": 1}'),
+    ],
+    ids=["named", "required", "json_object"],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constrained_reply_reasons_first_where_the_tags_are_tokens(
+    client_with, engine: FakeEngine, parser, inside, fields, answer, stream
+):
+    # The engine's grammar waits out the think block (the request carries its tags), and the
+    # reply comes back split: the reasoning apart, the answer read as the constraint's.
+    engine.tokenizer = ThinkTagTokenizer()
+    engine.script, engine.max_model_len = f"<think>Paris, I think.</think>{answer}", 4096
+    client = client_with(reasoning_parser=parser)
+    response = _chat(client, stream=stream, **fields)
+    assert response.status_code == 200, response.text
+    constraint = engine.requests[-1][2].structured_outputs
+    assert constraint.think == ThinkBlock(258, 259, inside=inside)
+    if stream:
+        deltas = [event["choices"][0]["delta"] for event in sse_json(response.text)]
+        reasoning = "".join(delta.get("reasoning") or "" for delta in deltas)
+        content = "".join(delta.get("content") or "" for delta in deltas)
+        calls = [call for delta in deltas for call in delta.get("tool_calls") or []]
+    else:
+        message = response.json()["choices"][0]["message"]
+        reasoning, content = message["reasoning"], message["content"]
+        calls = message.get("tool_calls") or []
+    assert reasoning == "Paris, I think."
+    if "tools" in fields:
+        assert calls and calls[0]["function"]["name"] == "get_weather" and not content
+    else:
+        assert content == answer
+
+
+def test_an_unconstrained_request_carries_no_think_tags(client_with, engine: FakeEngine):
+    engine.tokenizer = ThinkTagTokenizer()
+    engine.script, engine.max_model_len = "<think>a</think>b", 4096
+    response = _chat(client_with(reasoning_parser="qwen3"))
+    assert response.json()["choices"][0]["message"]["reasoning"] == "a"
+    assert engine.requests[-1][2].structured_outputs is None
