@@ -121,23 +121,23 @@ TOOLS = [
     }
 ]
 
+# Requests under an output constraint, with a reply each (the grammar would allow it).
+CONSTRAINED = [
+    (
+        {
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
+        '{"city": "Paris"}',
+    ),
+    ({"tools": TOOLS, "tool_choice": "required"}, '[{"name": "get_weather", "arguments": {}}]'),
+    ({"response_format": {"type": "json_object"}}, '{"a": 1}'),
+]
+CONSTRAINED_IDS = ["named", "required", "json_object"]
+
 
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
-@pytest.mark.parametrize(
-    ("fields", "script"),
-    [
-        (
-            {
-                "tools": TOOLS,
-                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-            },
-            '{"city": "Paris"}',
-        ),
-        ({"tools": TOOLS, "tool_choice": "required"}, '[{"name": "get_weather", "arguments": {}}]'),
-        ({"response_format": {"type": "json_object"}}, '{"a": 1}'),
-    ],
-    ids=["named", "required", "json_object"],
-)
+@pytest.mark.parametrize(("fields", "script"), CONSTRAINED, ids=CONSTRAINED_IDS)
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_constrained_reply_is_not_taken_for_reasoning(
     client_with, engine: FakeEngine, parser, fields, script, stream
@@ -192,21 +192,7 @@ class ThinkTagTokenizer(ByteTokenizer):
 
 
 @pytest.mark.parametrize(("parser", "inside"), [("deepseek_r1", True), ("qwen3", False)])
-@pytest.mark.parametrize(
-    ("fields", "answer"),
-    [
-        (
-            {
-                "tools": TOOLS,
-                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-            },
-            '{"city": "Paris"}',
-        ),
-        ({"tools": TOOLS, "tool_choice": "required"}, '[{"name": "get_weather", "arguments": {}}]'),
-        ({"response_format": {"type": "json_object"}}, '{"a": 1}'),
-    ],
-    ids=["named", "required", "json_object"],
-)
+@pytest.mark.parametrize(("fields", "answer"), CONSTRAINED, ids=CONSTRAINED_IDS)
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_constrained_reply_reasons_first_where_the_tags_are_tokens(
     client_with, engine: FakeEngine, parser, inside, fields, answer, stream
