@@ -209,7 +209,7 @@ class ServerConfig(_Section):
     enable_auto_tool_choice: bool = Field(
         False, description="let the model decide to call tools (tool_choice auto; as vLLM)"
     )
-    tool_call_parser: Literal["hermes", "llama3_json", "pythonic"] | None = Field(
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = Field(
         None,
         description="how tool calls are read from free output (with auto tool choice; default: "
         "none, required with it)",
@@ -254,7 +254,8 @@ class ServerConfig(_Section):
     def _auto_tool_choice_needs_a_parser(self) -> ServerConfig:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(
-                "enable_auto_tool_choice needs tool_call_parser (hermes, llama3_json, pythonic)"
+                "enable_auto_tool_choice needs tool_call_parser (hermes, llama3_json, mistral, "
+                "pythonic)"
             )
         return self
 

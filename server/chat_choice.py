@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.server.protocol import ChatLogprobs
@@ -37,11 +38,12 @@ class ChatChoiceText:
         parser: ToolCallParser | None = None,
         reasoning: ReasoningSplitter | None = None,
         parallel_calls: bool = True,
+        call_id: Callable[[], str] | None = None,
     ) -> None:
         self.parser = parser
         self.reasoning = reasoning
         # parallel_calls False: at most one call (forced calls' grammar enforces it; auto's here)
-        self.calls = OpenAICalls(None if parallel_calls else 1)
+        self.calls = OpenAICalls(None if parallel_calls else 1, call_id)
         self.text = ""  # the non-streamed reply's whole text
         self.token_ids: list[int] = []
         self.logprobs: ChatLogprobs | None = None

@@ -6,7 +6,10 @@ reads the calls back. Everything here runs before the request is queued."""
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +52,20 @@ class ToolPlan:
     parser_name: str | None  # auto: the server's --tool-call-parser
     named: str | None = None
     constraint: StructuredOutputs | None = None
+    # Mistral's chat templates accept only 9-character alphanumeric call ids (as vLLM gives
+    # them under its mistral parser), also for forced calls.
+    short_call_ids: bool = False
+
+    @property
+    def shows_special_tokens(self) -> bool:
+        """Whether the reply's text must keep special tokens: the parser reads calls after one
+        (Mistral's `[TOOL_CALLS]`)."""
+        return self.mode == "auto" and self.parser_name == "mistral"
+
+    def new_call_id(self) -> str:
+        if self.short_call_ids:
+            return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+        return new_call_id()
 
     def new_parser(self) -> ToolCallParser | None:
         if self.mode in ("required", "named"):
@@ -70,6 +87,7 @@ def plan_tools(body: ChatCompletionRequest, server: ServerConfig) -> ToolPlan | 
     schemas = {tool.function.name: _parameters(tool.function.parameters) for tool in body.tools}
     if choice == "none":
         return ToolPlan("none", [], None)
+    short_ids = server.tool_call_parser == "mistral"
     if choice is None or choice == "auto":
         if not server.enable_auto_tool_choice:
             raise invalid_request(
@@ -77,7 +95,7 @@ def plan_tools(body: ChatCompletionRequest, server: ServerConfig) -> ToolPlan | 
                 '--tool-call-parser; use "required" or a named tool',
                 "tool_choice",
             )
-        return ToolPlan("auto", tools, server.tool_call_parser)
+        return ToolPlan("auto", tools, server.tool_call_parser, short_call_ids=short_ids)
     if choice == "required":
         # Each tool's parameters sit in $defs, their own "#..." references re-pointed there:
         # resolved from the array's root, `#/$defs/Loc` or a recursive `#` would miss them.
@@ -98,12 +116,14 @@ def plan_tools(body: ChatCompletionRequest, server: ServerConfig) -> ToolPlan | 
         if not body.parallel_tool_calls:
             calls["maxItems"] = 1
         constraint = StructuredOutputs("json", json.dumps(calls), "tools")
-        return ToolPlan("required", tools, None, constraint=constraint)
+        return ToolPlan("required", tools, None, constraint=constraint, short_call_ids=short_ids)
     name = choice.function.name
     if name not in schemas:
         raise invalid_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
     constraint = StructuredOutputs("json", json.dumps(schemas[name]), "tools")
-    return ToolPlan("named", tools, None, named=name, constraint=constraint)
+    return ToolPlan(
+        "named", tools, None, named=name, constraint=constraint, short_call_ids=short_ids
+    )
 
 
 def _parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
@@ -205,9 +225,12 @@ class OpenAICalls:
     (parallel_tool_calls false under auto: the grammar enforces it for forced calls) the calls
     after the first are dropped."""
 
-    def __init__(self, max_calls: int | None = None) -> None:
+    def __init__(
+        self, max_calls: int | None = None, call_id: Callable[[], str] | None = None
+    ) -> None:
         self.max_calls = max_calls
         self.num_calls = 0
+        self.call_id = call_id or new_call_id
 
     def deltas(self, pieces: list[CallDelta]) -> list[ToolCallDelta]:
         out = []
@@ -219,7 +242,7 @@ class OpenAICalls:
                 out.append(
                     ToolCallDelta(
                         index=piece.index,
-                        id=f"call_{uuid.uuid4().hex[:24]}",
+                        id=self.call_id(),
                         type="function",
                         function=FunctionCallDelta(name=piece.name, arguments=""),
                     )
@@ -231,6 +254,11 @@ class OpenAICalls:
                     )
                 )
         return out
+
+
+def new_call_id() -> str:
+    """OpenAI's shape of a call id."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def assemble_tool_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -141,6 +142,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     prefill = body.messages[-1].text if body.continue_final_message else ""
     in_reasoning = bool(server_parser) and opens_in_reasoning(server_parser, prompt.text, prefill)
     params = leave_thinking_free(params, server_parser, engine.tokenizer, in_reasoning)
+    if plan is not None and plan.shows_special_tokens:  # the parser reads calls after a tag
+        params = dataclasses.replace(params, skip_special_tokens=False)
     # A constrained reply is split only where its grammar waits for the end of the think block;
     # otherwise the grammar shapes it whole, from its first token.
     constraint = params.structured_outputs
@@ -167,6 +170,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             plan.new_parser() if plan else None,
             ReasoningSplitter(in_reasoning) if reasoning_parser else None,
             body.parallel_tool_calls,
+            plan.new_call_id if plan else None,
         )
         for _ in range(params.n)
     ]

@@ -10,11 +10,13 @@ from pagedserve.server.tool_parsers.base import CallDelta, ParsedCall, ToolCallP
 from pagedserve.server.tool_parsers.forced import ForcedCallsParser
 from pagedserve.server.tool_parsers.hermes import HermesParser
 from pagedserve.server.tool_parsers.llama3_json import Llama3JsonParser
+from pagedserve.server.tool_parsers.mistral import MistralParser
 from pagedserve.server.tool_parsers.pythonic import PythonicParser
 
 PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
     "pythonic": PythonicParser,
 }
 
@@ -24,6 +26,7 @@ __all__ = [
     "ForcedCallsParser",
     "HermesParser",
     "Llama3JsonParser",
+    "MistralParser",
     "ParsedCall",
     "PythonicParser",
     "ToolCallParser",

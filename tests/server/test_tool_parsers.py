@@ -13,6 +13,7 @@ from pagedserve.server.tool_parsers import (
     ForcedCallsParser,
     HermesParser,
     Llama3JsonParser,
+    MistralParser,
     ParsedCall,
     PythonicParser,
 )
@@ -168,13 +169,21 @@ def test_forced_calls_parser_leaves_a_list_that_names_no_call_as_text():
 
 
 @pytest.mark.parametrize(
-    "parser", [HermesParser, Llama3JsonParser, PythonicParser, lambda: ForcedCallsParser(None)]
+    "parser",
+    [
+        HermesParser,
+        Llama3JsonParser,
+        MistralParser,
+        PythonicParser,
+        lambda: ForcedCallsParser(None),
+    ],
 )
 def test_parsers_leave_json_nested_past_the_interpreters_limit_as_text(parser):
     deep = "[" * 5000 + "]" * 5000
     text = {
         HermesParser: f"<tool_call>{deep}</tool_call>",
         Llama3JsonParser: deep,
+        MistralParser: f"[TOOL_CALLS]{deep}",
     }.get(parser, deep)
     assert _run(parser(), [text]) == (text, [])
 
@@ -231,6 +240,8 @@ def test_pythonic_parser_streams_plain_text_as_it_comes():
         (HermesParser, '<tool_call>{"name": "\\udfff", "arguments": {}}</tool_call>'),
         (Llama3JsonParser, '{"name": "f", "parameters": {"a": "\\ud800"}}'),
         (PythonicParser, '[f(a="\\ud800")]'),
+        (MistralParser, '[TOOL_CALLS]f[ARGS]{"a": "\\ud800"}'),
+        (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": {"a": "\\ud800"}}]'),
         (lambda: ForcedCallsParser(None), '[{"name": "\\ud800", "arguments": {}}]'),
     ],
 )
@@ -246,3 +257,47 @@ def test_pythonic_parser_refuses_a_repeated_keyword_and_ignores_escape_warnings(
     assert _run(PythonicParser(), ['[f(path="C:\\dir")]'])[1] == [
         ParsedCall("f", json.dumps({"path": "C:\\dir"}))
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        # Up to v7 tokenizers: one JSON list after the tag.
+        ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}]', "", [ADD]),
+        (
+            '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+            "",
+            [ADD, WEATHER],
+        ),
+        # v11 and later: name[ARGS]{...} per call.
+        ('[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}', "", [ADD]),
+        (
+            '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+            "",
+            [ADD, WEATHER],
+        ),
+        ('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "Checking.", [WEATHER]),
+        ("A [TOOL word] and [TOOL_CALL", "A [TOOL word] and [TOOL_CALL", []),
+        # Not all calls: the whole reply from the tag on stays text.
+        ('[TOOL_CALLS]add[ARGS]{"a": 1', '[TOOL_CALLS]add[ARGS]{"a": 1', []),
+        ("[TOOL_CALLS]add{}", "[TOOL_CALLS]add{}", []),
+        ("[TOOL_CALLS]my tool[ARGS]{}", "[TOOL_CALLS]my tool[ARGS]{}", []),
+        ('[TOOL_CALLS]add[ARGS]{"a": 1} extra', '[TOOL_CALLS]add[ARGS]{"a": 1} extra', []),
+        ('[TOOL_CALLS][{"name": "add"}, 3]', '[TOOL_CALLS][{"name": "add"}, 3]', []),
+        ("[TOOL_CALLS][]", "[TOOL_CALLS][]", []),
+        ("[TOOL_CALLS]", "[TOOL_CALLS]", []),
+    ],
+)
+def test_mistral_parser_reads_both_conventions_in_every_chunk_split(text, content, calls):
+    for size in (1, 2, 5, len(text)):
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        assert _run(MistralParser(), pieces) == (content, calls), size
+
+
+def test_mistral_parser_streams_the_text_before_the_tag():
+    parser = MistralParser()
+    assert parser.feed("Let me [TOOL") == ("Let me ", [])
+    assert parser.feed("_CALLS]add[ARGS]") == ("", [])
+    assert parser.feed('{"a": 1, "b": 2}') == ("", [])
+    assert parser.finish() == ("", [CallDelta(0, ADD.name, ADD.arguments)])

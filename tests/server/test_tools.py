@@ -303,3 +303,39 @@ def test_a_call_spelling_a_lone_surrogate_comes_back_as_text_not_a_500(client_wi
     response = _chat(client, tools=[WEATHER], max_tokens=len(engine.script) + 1, stream=stream)
     assert response.status_code == 200 and "error" not in response.text, response.text
     assert "tool_calls" not in response.text and "\\\\ud800" in response.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_with_the_mistral_parser_keeps_its_tag_and_gives_nine_character_ids(
+    client_with, engine: FakeEngine, stream
+):
+    client = client_with(enable_auto_tool_choice=True, tool_call_parser="mistral")
+    engine.script = '[TOOL_CALLS]get_weather[ARGS]{"city": "P"}'
+    response = _chat(client, tools=[WEATHER], max_tokens=len(engine.script) + 1, stream=stream)
+    # [TOOL_CALLS] is a special token in Mistral's vocabulary: the text must keep it.
+    assert engine.requests[-1][2].skip_special_tokens is False
+    if stream:
+        deltas = [event["choices"][0]["delta"] for event in sse_json(response.text)]
+        pieces = [call for delta in deltas for call in delta.get("tool_calls") or []]
+        tool_call = pieces[0]  # the first piece has the id and name, then the arguments come
+        arguments = "".join(piece["function"].get("arguments") or "" for piece in pieces)
+        tool_call["function"]["arguments"] = arguments
+        assert {piece["index"] for piece in pieces} == {0}
+        assert not "".join(delta.get("content") or "" for delta in deltas)
+    else:
+        [choice] = response.json()["choices"]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        [tool_call] = choice["message"]["tool_calls"]
+    assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "P"}'}
+    # Mistral's chat templates refuse other ids when the conversation comes back.
+    assert len(tool_call["id"]) == 9 and tool_call["id"].isalnum()
+
+
+def test_forced_calls_under_the_mistral_parser_get_nine_character_ids_too(client_with, engine):
+    client = client_with(enable_auto_tool_choice=True, tool_call_parser="mistral")
+    engine.script = '{"city": "P"}'
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = _chat(client, tools=[WEATHER], tool_choice=named, max_tokens=20).json()
+    [tool_call] = body["choices"][0]["message"]["tool_calls"]
+    assert len(tool_call["id"]) == 9 and tool_call["id"].isalnum()
+    assert engine.requests[-1][2].skip_special_tokens is True  # forced: no tag to read
