@@ -99,6 +99,34 @@ class ModelConfig(_Section):
         "does; vllm, the API's own defaults",
     )
     seed: int = Field(0, ge=0, description="global seed for unseeded sampling")
+    enable_lora: bool = Field(False, description="serve LoRA adapters (vLLM's; see --lora-modules)")
+    lora_modules: list[str] = Field(
+        default_factory=list,
+        description="LoRA adapters as name=path (PEFT folders), with --enable-lora; a request "
+        "runs one by naming it as its model",
+    )
+    max_lora_rank: int = Field(64, ge=1, description="largest adapter rank accepted")
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _split_lora_modules(cls, value: object) -> object:
+        return value.split() if isinstance(value, str) else value  # PAGEDSERVE_LORA_MODULES
+
+    @model_validator(mode="after")
+    def _lora_modules_are_named_once(self) -> ModelConfig:
+        if len(self.lora_adapters) != len(self.lora_modules):
+            raise ValueError("lora_modules: each name once")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora, as vLLM)")
+        return self
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """name -> path of each adapter in `lora_modules` (raises on an entry without `=`)."""
+        pairs = [entry.partition("=") for entry in self.lora_modules]
+        if any(not name or not sep or not path for name, sep, path in pairs):
+            raise ValueError("lora_modules: each entry is name=path")
+        return {name: path for name, _, path in pairs}
 
 
 class CacheConfig(_Section):

@@ -134,6 +134,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # leave special tokens (<|im_end|>...) out of the text
     structured_outputs: StructuredOutputs | None = None  # constrained decoding (None: free)
+    lora: str | None = None  # the LoRA adapter to run, by its name (--lora-modules); None: base
 
     def __post_init__(self) -> None:
         _check(
@@ -256,6 +257,11 @@ class SamplingParams:
             or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+        )
+        _check(
+            self.lora is None or (isinstance(self.lora, str) and len(self.lora) > 0),
+            "lora",
+            "lora must be an adapter's name",
         )
         _check(
             self.structured_outputs is None

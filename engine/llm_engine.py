@@ -23,6 +23,7 @@ from pagedserve.configs import EngineConfig, SamplingParams
 from pagedserve.engine.cpu_threads import fit_threads_to_cpus
 from pagedserve.engine.heap_retention import retain_freed_heap_memory
 from pagedserve.engine.inputs import RequestValidator, ValidatedRequest
+from pagedserve.engine.lora import check_lora
 from pagedserve.engine.memory import kv_cache_num_blocks, make_cache_spec, resolve_device
 from pagedserve.engine.model_loader import LoadedModel, load_model
 from pagedserve.engine.model_runner import ModelRunner
@@ -79,7 +80,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         backend = get_attention_backend(config.cache.attention_backend, device)
         logger.info("attention backend: %s", backend.name)
-        self.runner = ModelRunner(loaded.model, self.cache_engine, backend)
+        self.runner = ModelRunner(loaded.model, self.cache_engine, backend, config.model)
         self.sampler = Sampler(config.model.seed, device, cpu_kernel)
         self.rejection_sampler = RejectionSampler(self.sampler, config.model.seed, device)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, device)
@@ -114,6 +115,7 @@ class LLMEngine:
     ) -> ValidatedRequest:
         """Every check, once; safe on any thread. Raises InvalidRequestError (nothing queued)."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        check_lora(params.lora, self.runner.lora)
         return self.validator.validate(request_id, prompt_token_ids, params, arrival_time, priority)
 
     def add_request(
@@ -156,8 +158,7 @@ class LLMEngine:
         if request.params.structured_outputs is not None:
             if request.grammar is None:
                 raise RuntimeError(f"request {request.request_id}: constrained but not compiled")
-            think = request.params.structured_outputs.think
-            matchers = list(self.structured.new_matchers(request.grammar, num_choices, think))
+            matchers = list(self.structured.new_matchers(request.grammar, request.params))
         # Refuses an id in use, before queueing.
         self.outputs.add(request.request_id, sequences, matchers)
         for sequence in sequences:

@@ -18,8 +18,10 @@ from transformers import AttentionInterface
 from pagedserve.cache.attention import AttentionBackend, AttentionMetadata
 from pagedserve.cache.attention.torch_ref import attend_over_histories
 from pagedserve.cache.cache_engine import CacheEngine
+from pagedserve.configs import ModelConfig
 from pagedserve.engine.kept_rows import KeptRows, keeps_rows, kept_rows
 from pagedserve.engine.latent_attention import PagedLatentCache
+from pagedserve.engine.lora import load_lora_adapters
 from pagedserve.scheduler import ScheduledRequest, SchedulerOutput
 
 ATTN_IMPLEMENTATION = "pagedserve"
@@ -143,15 +145,23 @@ class PreparedBatch:
     # [num_sampling_rows + num_prompt_logprob_rows]: see `_logits_indices`
     logits_indices: Tensor
     kept: KeptRows | None = None  # where the last layer computes only the logits rows
+    # Per sequence (plan order): its LoRA adapter (None: the base model) and its number of rows.
+    lora_rows: tuple[tuple[str | None, int], ...] = ()
 
 
 class ModelRunner:
     """Runs all scheduled tokens of all sequences as one flattened batch; logits where sampled."""
 
     def __init__(
-        self, model: torch.nn.Module, cache_engine: CacheEngine, backend: AttentionBackend
+        self,
+        model: torch.nn.Module,
+        cache_engine: CacheEngine,
+        backend: AttentionBackend,
+        model_config: ModelConfig | None = None,
     ) -> None:
         self.model = model
+        # LoRA adapters (model_config.lora_modules), wrapped into the model after the CPU swaps.
+        self.lora = load_lora_adapters(model_config, model) if model_config else None
         self.cache_engine = cache_engine
         self.backend = backend
         self.device = cache_engine.device
@@ -191,13 +201,13 @@ class ModelRunner:
             for slots, rows in zip(_slot_mappings(plan, len(tables)), tables, strict=True)
         )
         logits_indices = tensor(_logits_indices(plan), torch.int64)
-        kept = kept_rows(plan, logits_indices, tables, self.device) if self.keeps_rows else None
         return PreparedBatch(
             input_ids=tensor(input_ids, torch.int64).unsqueeze(0),
             position_ids=tensor(positions, torch.int64).unsqueeze(0),
             metas=metas,
             logits_indices=logits_indices,
-            kept=kept,
+            kept=kept_rows(plan, logits_indices, tables, self.device) if self.keeps_rows else None,
+            lora_rows=_lora_rows(plan) if self.lora else (),
         )
 
     @torch.inference_mode()
@@ -215,6 +225,9 @@ class ModelRunner:
             is_latent=engine.spec.latent,
             kept=batch.kept,
         )
+        if self.lora is not None:
+            loras, num_rows = zip(*batch.lora_rows, strict=True)
+            self.lora.set_step(loras, num_rows, None if batch.kept is None else batch.kept.rows)
         # MLA writes its latent through `cache.update`: give it the paged latent cache.
         latent_cache = {}
         if engine.spec.latent:
@@ -233,6 +246,10 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> Tensor:
         self.cache_engine.copy_blocks(plan.block_copies)
         return self.forward(self.prepare(plan))
+
+
+def _lora_rows(plan: SchedulerOutput) -> tuple[tuple[str | None, int], ...]:
+    return tuple((scheduled.lora, scheduled.num_new_tokens) for scheduled in plan.requests)
 
 
 def _logits_indices(plan: SchedulerOutput) -> list[int]:

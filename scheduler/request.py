@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from pagedserve.configs import SamplingParams
@@ -94,10 +95,12 @@ class Request:
         )
 
     @property
-    def cache_salt(self) -> str | None:
+    def cache_salt(self) -> Hashable:
         """Mixed into every block hash of this request's prefix chain: only requests with the
-        same salt share cached blocks (vLLM's cache_salt; None: the shared cache)."""
-        return self.sampling_params.cache_salt
+        same salt share cached blocks (vLLM's cache_salt; None: the shared cache). A LoRA
+        adapter's K/V differ from the base model's: its requests share only among themselves."""
+        salt, lora = self.sampling_params.cache_salt, self.sampling_params.lora
+        return salt if lora is None else ("lora", lora, salt)
 
     @property
     def max_cached_tokens(self) -> int | None:

@@ -39,6 +39,7 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False  # keep the EOS token in the text
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    lora: str | None = None  # the LoRA adapter the request names (engine/lora.py)
 
 
 @dataclass(slots=True)
@@ -66,7 +67,11 @@ async def beam_search(
 ) -> AsyncIterator[RequestDelta]:
     """Run the search; yield one finished delta per returned beam (choice index = rank)."""
     step_params = SamplingParams(
-        max_tokens=1, temperature=0.0, logprobs=2 * params.width, cache_salt=params.cache_salt
+        max_tokens=1,
+        temperature=0.0,
+        logprobs=2 * params.width,
+        cache_salt=params.cache_salt,
+        lora=params.lora,
     )
     live, finished, reason = [Beam()], [], "length"
     eos = set() if params.ignore_eos else set(engine.eos_token_ids)
@@ -205,7 +210,10 @@ _NOT_WITH_BEAMS = {
 
 
 def beam_search_params(
-    body: Any, max_tokens: int, structured_outputs: StructuredOutputs | None
+    body: Any,
+    max_tokens: int,
+    structured_outputs: StructuredOutputs | None,
+    lora: str | None = None,
 ) -> BeamSearchParams | None:
     """The request's beam search (None without `use_beam_search`); raises a 400 naming the
     field for one that beam search would not honour (an output constraint among them)."""
@@ -238,4 +246,5 @@ def beam_search_params(
         body.include_stop_str_in_output,
         body.skip_special_tokens,
         body.cache_salt,
+        lora,
     )

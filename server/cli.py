@@ -52,6 +52,8 @@ def _flag_kwargs(annotation: Any) -> dict[str, Any]:
         return {"choices": list(typing.get_args(annotation))}
     if annotation is bool:
         return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(annotation) is list:  # --lora-modules a=/x b=/y, as vLLM's
+        return {"nargs": "+", "type": str}
     return {"type": annotation if annotation in (int, float) else str}
 
 

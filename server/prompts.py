@@ -8,7 +8,7 @@ threads ("Already borrowed"), and one prompt takes well under a millisecond per 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +27,16 @@ class Prompt:
     text: str  # as given, or decoded from the ids (what `echo` returns)
 
 
-def check_model(requested: str | None, engine: EngineClient) -> None:
-    """Raises 404 unless the request names the served model (or names none)."""
-    if requested is not None and requested != engine.model_name:
-        raise model_not_found(requested)
+def check_model(
+    requested: str | None, engine: EngineClient, adapters: Collection[str] = ()
+) -> str | None:
+    """Raises 404 unless the request names the served model, one of the LoRA `adapters` it
+    serves (--lora-modules), or none; returns that adapter's name (None: the base model)."""
+    if requested is None or requested == engine.model_name:
+        return None
+    if requested in adapters:
+        return requested
+    raise model_not_found(requested)
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:

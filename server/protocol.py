@@ -168,6 +168,7 @@ class SamplingFields(_Request):
         prompt_logprobs: int | None = None,
         defaults: dict[str, float | int] | None = None,
         bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
+        lora: str | None = None,
     ) -> SamplingParams:
         """Raises SamplingParamsError (naming the field) for out-of-range values. A field the
         request leaves out takes `defaults` (the model's, engine/sampling_defaults.py), else
@@ -203,6 +204,7 @@ class SamplingFields(_Request):
             logprobs=logprobs,
             structured_outputs=structured_outputs,
             prompt_logprobs=prompt_logprobs,
+            lora=lora,
         )
 
 
@@ -478,6 +480,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagedserve"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's folder (vLLM's)
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

@@ -13,7 +13,7 @@ from typing import Any
 import xgrammar
 from torch import Tensor
 
-from pagedserve.configs import StructuredOutputs, ThinkBlock
+from pagedserve.configs import SamplingParams, StructuredOutputs
 from pagedserve.engine.structured_outputs.compiler import GrammarCompiler
 from pagedserve.engine.structured_outputs.limits import MAX_MASK_FILL_S
 from pagedserve.engine.structured_outputs.think_gate import ThinkGatedMatcher
@@ -60,12 +60,13 @@ class StructuredOutputManager:
         self._slow_fills: dict[int, float] = {}  # id(matcher) -> seconds, this step's over-limit
 
     def new_matchers(
-        self, grammar: xgrammar.CompiledGrammar, num_choices: int, think: ThinkBlock | None = None
+        self, grammar: xgrammar.CompiledGrammar, params: SamplingParams
     ) -> list[Matcher]:
-        """One matcher per choice (each advances by its own tokens); with `think`, each leaves
-        the reply's think block free (think_gate.py)."""
+        """One matcher per choice (each advances by its own tokens); where the constraint has a
+        think block, each leaves it free (think_gate.py)."""
         self.num_constrained_requests += 1
-        matchers: list[Matcher] = [xgrammar.GrammarMatcher(grammar) for _ in range(num_choices)]
+        think = params.structured_outputs.think if params.structured_outputs else None
+        matchers: list[Matcher] = [xgrammar.GrammarMatcher(grammar) for _ in range(params.n)]
         if think is not None:
             matchers = [ThinkGatedMatcher(matcher, think) for matcher in matchers]
         return matchers

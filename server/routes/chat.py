@@ -103,7 +103,7 @@ class _Output:
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     engine = request.app.state.engine
-    check_model(body.model, engine)
+    lora = check_model(body.model, engine, request.app.state.config.model.lora_adapters)
     check_request_fields(body, request.state.request_id)
     plan = plan_tools(body, request.app.state.config.server)
     template = TemplateOptions(
@@ -137,6 +137,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         prompt_logprobs=body.prompt_logprobs,
         defaults=engine.sampling_defaults,
         bad_words_token_ids=bad_words_token_ids(body.bad_words, engine),
+        lora=lora,
     )
     server_parser = request.app.state.config.server.reasoning_parser
     prefill = body.messages[-1].text if body.continue_final_message else ""
@@ -149,7 +150,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     constraint = params.structured_outputs
     reasoning_parser = server_parser if constraint is None or constraint.think else None
     _check_hidden_reasoning(body, server_parser, reasoning_parser)
-    beam = beam_search_params(body, max_tokens, params.structured_outputs)
+    beam = beam_search_params(body, max_tokens, params.structured_outputs, lora)
     recorder = RequestRecorder(
         request.app.state.metrics,
         request.state.request_id,
@@ -163,7 +164,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     header = {
         "id": f"chatcmpl-{recorder.request_id}",
         "created": request.state.created,  # arrival, not the first token
-        "model": engine.model_name,
+        "model": lora or engine.model_name,
     }
     choices = [
         ChatChoiceText(

@@ -67,7 +67,7 @@ def _engine_prompt_logprobs(body: CompletionRequest) -> int | None:
 @router.post("/v1/completions", response_model=CompletionResponse)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     engine = request.app.state.engine
-    check_model(body.model, engine)
+    lora = check_model(body.model, engine, request.app.state.config.model.lora_adapters)
     check_request_fields(body, request.state.request_id)
     _check_supported(body)
     prompts = [
@@ -94,8 +94,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             prompt_logprobs=_engine_prompt_logprobs(body),
             defaults=engine.sampling_defaults,
             bad_words_token_ids=bad_words,
+            lora=lora,
         )
-        beam = beam_search_params(body, max_tokens, structured_outputs)
+        beam = beam_search_params(body, max_tokens, structured_outputs, lora)
         inputs.append(EngineInput(prompt.token_ids, params, body.priority, beam))
     n = inputs[0].params.n
     recorder = RequestRecorder(
@@ -109,7 +110,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     header = {
         "id": f"cmpl-{recorder.request_id}",
         "created": request.state.created,  # arrival, not the first token
-        "model": engine.model_name,
+        "model": lora or engine.model_name,
     }
     num_echo_top = body.logprobs if body.echo else None
     choices = {

@@ -1,4 +1,5 @@
-"""GET /v1/models and /v1/models/{model}: the one served model."""
+"""GET /v1/models and /v1/models/{model}: the served model, then each LoRA adapter it serves
+(vLLM's cards: an adapter's `parent` is the model, its `root` the adapter's folder)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,26 @@ from pagedserve.server.protocol import ModelCard, ModelList
 router = APIRouter()
 
 
-def _card(request: Request) -> ModelCard:
-    engine = request.app.state.engine
-    return ModelCard(
-        id=engine.model_name,
-        created=request.app.state.started_at,
-        max_model_len=engine.max_model_len,
+def _cards(request: Request) -> list[ModelCard]:
+    engine, state = request.app.state.engine, request.app.state
+    model = ModelCard(
+        id=engine.model_name, created=state.started_at, max_model_len=engine.max_model_len
     )
+    adapters = state.config.model.lora_adapters
+    return [model] + [
+        model.model_copy(update={"id": name, "root": path, "parent": model.id})
+        for name, path in adapters.items()
+    ]
 
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_card(request)])
+    return ModelList(data=_cards(request))
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard)
 async def retrieve_model(model: str, request: Request) -> ModelCard:
-    card = _card(request)
-    if model != card.id:
+    card = next((card for card in _cards(request) if card.id == model), None)
+    if card is None:
         raise model_not_found(model)
     return card

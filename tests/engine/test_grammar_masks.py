@@ -11,7 +11,7 @@ import pytest
 import torch
 import xgrammar
 
-from pagedserve.configs import StructuredOutputs
+from pagedserve.configs import SamplingParams, StructuredOutputs
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.structured_outputs import StructuredOutputManager
 
@@ -27,7 +27,9 @@ def manager(default_tokenizer):
 
 
 def test_mask_covers_the_full_logits_width_and_only_constrained_rows(manager, default_tokenizer):
-    [matcher] = manager.new_matchers(manager.compile(StructuredOutputs("json_object")), 1)
+    [matcher] = manager.new_matchers(
+        manager.compile(StructuredOutputs("json_object")), SamplingParams()
+    )
     logits = torch.zeros(2, manager.vocab_size)
     manager.apply(logits, [None, matcher])
     assert torch.equal(logits[0], torch.zeros(manager.vocab_size))  # unconstrained: untouched
@@ -39,7 +41,7 @@ def test_mask_covers_the_full_logits_width_and_only_constrained_rows(manager, de
 
 
 def test_choice_grammar_allows_only_the_choices_then_only_eos(manager, default_tokenizer):
-    [matcher] = manager.new_matchers(manager.compile(CHOICE), 1)
+    [matcher] = manager.new_matchers(manager.compile(CHOICE), SamplingParams())
     for token_id in default_tokenizer.encode("no"):
         assert manager.advance(matcher, token_id)
     logits = torch.zeros(1, manager.vocab_size)

@@ -1,0 +1,239 @@
+"""LoRA adapters served beside the base model (vLLM's `--enable-lora --lora-modules name=path`).
+
+An adapter (a PEFT folder: `adapter_config.json` + `adapter_model.safetensors`) adds to some of
+the model's linear layers a low-rank term: y = x W^T + s (x A^T) B^T, A [r, in], B [out, r],
+s = alpha / r (alpha / sqrt(r) with rsLoRA). The weights are never merged: one batch mixes
+requests of the base model and of several adapters, each token's rows getting its own
+request's term.
+
+Each targeted layer is wrapped, after the CPU swaps, by a `LoRALinear` around whatever computes
+it then (HF's `nn.Linear`, or a fused q/k/v or gate/up projection, whose output columns are the
+parts side by side: one slice per part). Before each forward the model runner tells the shared
+`LoRABatch` which adapter each of the step's token rows runs (`ScheduledRequest.lora`); a wrapper
+then adds each adapter's term to its rows. The last decoder layer may run its output projections
+on the logits rows only (engine/kept_rows.py): the batch knows those rows' adapters too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from pagedserve.configs import ModelConfig
+from pagedserve.engine.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+# Projections that the CPU swaps fuse: the fused module's attribute, and each part's slice.
+FUSED_PARTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served on this model (the message says why)."""
+
+
+@dataclass(frozen=True)
+class LoRADelta:
+    a: Tensor  # [rank, in]
+    b: Tensor  # [out, rank], scaled by the adapter's s
+
+
+class LoRABatch:
+    """Which adapter each row of the step runs: the groups of rows of each adapter (index >= 1;
+    0 is the base model, which adds nothing), for all token rows and for the kept logits rows."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._groups: dict[int, list[tuple[int, Tensor]]] = {}  # row count -> groups
+
+    def set(self, token_adapters: Tensor, kept_rows: Tensor | None) -> None:
+        self._groups = {token_adapters.numel(): _groups(token_adapters, self.device)}
+        if kept_rows is not None:
+            kept = token_adapters[kept_rows]
+            self._groups.setdefault(kept_rows.numel(), _groups(kept, self.device))
+
+    def groups_for(self, num_rows: int) -> list[tuple[int, Tensor]]:
+        if not self._groups:
+            return []
+        if num_rows not in self._groups:
+            raise RuntimeError(f"a LoRA layer got {num_rows} rows; the step has no such row set")
+        return self._groups[num_rows]
+
+
+def _groups(adapters: Tensor, device: torch.device) -> list[tuple[int, Tensor]]:
+    return [
+        (int(index), torch.nonzero(adapters == index).flatten().to(device))
+        for index in torch.unique(adapters).tolist()
+        if index != 0
+    ]
+
+
+class LoRALinear(nn.Module):
+    """`base`'s output plus, on each adapter's rows, that adapter's terms for the parts it targets
+    (`slices`: the parts' output columns)."""
+
+    def __init__(self, base: nn.Module, batch: LoRABatch, slices: Sequence[tuple[int, int]]):
+        super().__init__()
+        self.base = base
+        self.batch = batch
+        self.slices = tuple(slices)
+        self.deltas: dict[int, list[LoRADelta | None]] = {}  # adapter index -> per slice
+
+    def add(self, adapter: int, part: int, delta: LoRADelta) -> None:
+        start, end = self.slices[part]
+        if delta.b.shape[0] != end - start:
+            raise LoRAError(f"lora_B has {delta.b.shape[0]} rows; the layer has {end - start}")
+        self.deltas.setdefault(adapter, [None] * len(self.slices))[part] = delta
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base(x)
+        groups = self.batch.groups_for(x.shape[:-1].numel())
+        if not groups:
+            return y
+        rows_in, rows_out = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        for adapter, rows in groups:
+            selected = rows_in.index_select(0, rows)
+            for (start, end), delta in zip(self.slices, self.deltas.get(adapter, ()), strict=False):
+                if delta is not None:
+                    rows_out[rows, start:end] += (selected @ delta.a.T) @ delta.b.T
+        return y
+
+    def extra_repr(self) -> str:
+        return f"slices={list(self.slices)}, adapters={sorted(self.deltas)}"
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    name: str
+    path: Path
+    rank: int
+    deltas: dict[str, LoRADelta]  # HF module path (model.layers.0.self_attn.q_proj) -> term
+
+
+def load_adapter(name: str, path: Path, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
+    """Read a PEFT LoRA folder; refuses what its terms would not compute (DoRA, trained biases,
+    per-module ranks, extra modules) rather than serving a different model."""
+    try:
+        config = json.loads((path / ADAPTER_CONFIG).read_text())
+        tensors = load_file(path / ADAPTER_WEIGHTS)
+    except (OSError, ValueError) as error:
+        raise LoRAError(f"LoRA adapter {name!r} at {path}: {error}") from None
+    refused = {
+        "use_dora": config.get("use_dora"),
+        "bias": config.get("bias", "none") != "none",
+        "modules_to_save": config.get("modules_to_save"),
+        "rank_pattern": config.get("rank_pattern"),
+        "alpha_pattern": config.get("alpha_pattern"),
+        "fan_in_fan_out": config.get("fan_in_fan_out"),
+    }
+    if any(refused.values()) or config.get("peft_type", "LORA") != "LORA":
+        unsupported = [key for key, value in refused.items() if value] or ["peft_type"]
+        raise LoRAError(f"LoRA adapter {name!r}: not supported: {', '.join(unsupported)}")
+    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    if not 0 < rank <= max_rank:
+        raise LoRAError(f"LoRA adapter {name!r} has rank {rank}; --max-lora-rank is {max_rank}")
+    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    deltas = {}
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+        if b is None or a.shape[0] != rank or b.shape[1] != rank:
+            raise LoRAError(f"LoRA adapter {name!r}: {module} has no rank-{rank} lora_B")
+        deltas[module] = LoRADelta(a.to(dtype), (b * scale).to(dtype))
+    if not deltas:
+        raise LoRAError(f"LoRA adapter {name!r} at {path} holds no lora_A/lora_B weights")
+    return LoRAAdapter(name, path, rank, deltas)
+
+
+class LoRAAdapters:
+    """The served adapters, numbered 1.. in the order given, wrapped into `model`."""
+
+    def __init__(self, model: nn.Module, modules: dict[str, Path], max_rank: int) -> None:
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        self.batch = LoRABatch(device)
+        self.index = {name: i for i, name in enumerate(modules, start=1)}
+        self.adapters: dict[str, LoRAAdapter] = {}
+        for name, path in modules.items():
+            adapter = load_adapter(name, Path(path), max_rank, dtype)
+            for module, delta in adapter.deltas.items():
+                layer, part = self._layer(model, module)
+                moved = LoRADelta(delta.a.to(device), delta.b.to(device))
+                layer.add(self.index[name], part, moved)
+            self.adapters[name] = adapter
+
+    def __iter__(self) -> Iterator[LoRAAdapter]:
+        return iter(self.adapters.values())
+
+    def set_step(self, loras: Sequence[str | None], num_tokens: Sequence[int], kept: Tensor | None):
+        """Before a forward: request i of the step runs adapter `loras[i]` on its `num_tokens[i]`
+        rows; `kept`: the rows the last layer keeps (engine/kept_rows.py), if any."""
+        indices = [self.index[lora] if lora else 0 for lora in loras]
+        token_adapters = torch.repeat_interleave(torch.tensor(indices), torch.tensor(num_tokens))
+        self.batch.set(token_adapters, None if kept is None else kept.cpu())
+
+    def _layer(self, model: nn.Module, module: str) -> tuple[LoRALinear, int]:
+        """The wrapper computing `module` (wrapping it on first use), and the part it is there."""
+        parent_path, _, leaf = module.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_path)
+        except AttributeError:
+            raise LoRAError(f"LoRA target {module} is not in the model") from None
+        attribute, part = (leaf, 0) if hasattr(parent, leaf) else FUSED_PARTS.get(leaf, (leaf, 0))
+        current = getattr(parent, attribute, None)
+        if isinstance(current, LoRALinear):
+            return current, part
+        if not isinstance(current, nn.Module) or not hasattr(current, "out_features"):
+            raise LoRAError(f"LoRA target {module} is not a linear layer of the model")
+        slices = _part_slices(parent, attribute, current.out_features)
+        wrapper = LoRALinear(current, self.batch, slices)
+        setattr(parent, attribute, wrapper)
+        return wrapper, part
+
+
+def check_lora(name: str | None, adapters: LoRAAdapters | None) -> None:
+    """Raises InvalidRequestError (param `lora`) unless `name` is None or a served adapter."""
+    if name is not None and (adapters is None or name not in adapters.index):
+        served = ", ".join(adapters.index) if adapters else "none (--lora-modules)"
+        raise InvalidRequestError(f"no LoRA adapter {name!r}; served: {served}", "lora")
+
+
+def load_lora_adapters(config: ModelConfig, model: nn.Module) -> LoRAAdapters | None:
+    """The adapters `config` serves, wrapped into `model`; None without any."""
+    if not config.lora_adapters:
+        return None
+    modules = {name: Path(path) for name, path in config.lora_adapters.items()}
+    adapters = LoRAAdapters(model, modules, config.max_lora_rank)
+    logger.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.rank})" for a in adapters))
+    return adapters
+
+
+def _part_slices(parent: nn.Module, attribute: str, out_features: int) -> list[tuple[int, int]]:
+    """The output columns of each part a (possibly fused) projection computes."""
+    if attribute == "qkv_proj":
+        sizes = list(parent.split_sizes)
+    elif attribute == "gate_up_proj":
+        sizes = [out_features // 2] * 2
+    else:
+        sizes = [out_features]
+    bounds = [0, *itertools.accumulate(sizes)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
