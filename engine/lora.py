@@ -64,10 +64,15 @@ class LoRABatch:
         self._groups: dict[int, list[tuple[int, Tensor]]] = {}  # row count -> groups
 
     def set(self, token_adapters: Tensor, kept_rows: Tensor | None) -> None:
+        """`token_adapters`: each token row's adapter; `kept_rows`: the rows the last layer keeps.
+        A layer tells the two sets apart by its row count: kept rows are always fewer (a step
+        that would keep every row keeps none, engine/kept_rows.py)."""
         self._groups = {token_adapters.numel(): _groups(token_adapters, self.device)}
         if kept_rows is not None:
+            if kept_rows.numel() >= token_adapters.numel():
+                raise RuntimeError("kept rows must be fewer than the step's rows")
             kept = token_adapters[kept_rows]
-            self._groups.setdefault(kept_rows.numel(), _groups(kept, self.device))
+            self._groups[kept_rows.numel()] = _groups(kept, self.device)
 
     def groups_for(self, num_rows: int) -> list[tuple[int, Tensor]]:
         if not self._groups:
