@@ -118,6 +118,8 @@ class ModelConfig(_Section):
             raise ValueError("lora_modules: each name once")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora, as vLLM)")
+        if (self.served_model_name or self.model) in self.lora_adapters:
+            raise ValueError("lora_modules: an adapter named as the served model is unreachable")
         return self
 
     @property

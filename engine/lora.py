@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import math
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,15 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+# The layers an adapter may target: a decoder layer's per-token projections (Phi-3's own fused
+# ones included). Anything else sees other rows than the step's tokens (lm_head the logits rows,
+# latent attention's kv_b_proj the whole history, MoE experts their routed tokens) or is no
+# linear layer (embeddings): refused at load rather than given another request's rows.
+TARGETS = frozenset(
+    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    + ("qkv_proj", "gate_up_proj")
+)
+DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+\.(self_attn|mlp)\.[a-z_]+$")
 # Projections that the CPU swaps fuse: the fused module's attribute, and each part's slice.
 FUSED_PARTS = {
     "q_proj": ("qkv_proj", 0),
@@ -75,7 +85,7 @@ class LoRABatch:
             self._groups[kept_rows.numel()] = _groups(kept, self.device)
 
     def groups_for(self, num_rows: int) -> list[tuple[int, Tensor]]:
-        if not self._groups:
+        if not any(self._groups.values()):  # no adapter runs this step
             return []
         if num_rows not in self._groups:
             raise RuntimeError(f"a LoRA layer got {num_rows} rows; the step has no such row set")
@@ -105,6 +115,10 @@ class LoRALinear(nn.Module):
         start, end = self.slices[part]
         if delta.b.shape[0] != end - start:
             raise LoRAError(f"lora_B has {delta.b.shape[0]} rows; the layer has {end - start}")
+        if delta.a.shape[1] != self.base.in_features:
+            raise LoRAError(
+                f"lora_A has {delta.a.shape[1]} columns; the layer has {self.base.in_features}"
+            )
         self.deltas.setdefault(adapter, [None] * len(self.slices))[part] = delta
 
     def forward(self, x: Tensor) -> Tensor:
@@ -140,6 +154,32 @@ def load_adapter(name: str, path: Path, max_rank: int, dtype: torch.dtype) -> Lo
         tensors = load_file(path / ADAPTER_WEIGHTS)
     except (OSError, ValueError) as error:
         raise LoRAError(f"LoRA adapter {name!r} at {path}: {error}") from None
+    rank, scale = _rank_and_scale(name, config, max_rank)
+    unread = [key for key in tensors if not key.endswith((".lora_A.weight", ".lora_B.weight"))]
+    if unread:  # e.g. lora_embedding_A/B, DoRA magnitudes: weights this loader would drop
+        raise LoRAError(f"LoRA adapter {name!r}: weights not supported: {', '.join(unread[:3])}")
+    deltas = {}
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        if module.rpartition(".")[2] not in TARGETS or not DECODER_LAYER.search(module):
+            raise LoRAError(
+                f"LoRA adapter {name!r} targets {module}: only a decoder layer's projections "
+                f"({', '.join(sorted(TARGETS))}) are supported"
+            )
+        b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+        if b is None or a.shape[0] != rank or b.shape[1] != rank:
+            raise LoRAError(f"LoRA adapter {name!r}: {module} has no rank-{rank} lora_B")
+        deltas[module] = LoRADelta(a.to(dtype), (b * scale).to(dtype))
+    if not deltas:
+        raise LoRAError(f"LoRA adapter {name!r} at {path} holds no lora_A/lora_B weights")
+    return LoRAAdapter(name, path, rank, deltas)
+
+
+def _rank_and_scale(name: str, config: dict, max_rank: int) -> tuple[int, float]:
+    """The adapter's rank and the factor s of its terms; raises LoRAError for a configuration
+    whose terms would not be s (x A^T) B^T."""
     refused = {
         "use_dora": config.get("use_dora"),
         "bias": config.get("bias", "none") != "none",
@@ -151,22 +191,14 @@ def load_adapter(name: str, path: Path, max_rank: int, dtype: torch.dtype) -> Lo
     if any(refused.values()) or config.get("peft_type", "LORA") != "LORA":
         unsupported = [key for key, value in refused.items() if value] or ["peft_type"]
         raise LoRAError(f"LoRA adapter {name!r}: not supported: {', '.join(unsupported)}")
-    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    try:
+        rank = int(config.get("r", 0))
+        alpha = float(config.get("lora_alpha", rank))
+    except (TypeError, ValueError):
+        raise LoRAError(f"LoRA adapter {name!r}: r and lora_alpha must be numbers") from None
     if not 0 < rank <= max_rank:
         raise LoRAError(f"LoRA adapter {name!r} has rank {rank}; --max-lora-rank is {max_rank}")
-    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    deltas = {}
-    for key, a in tensors.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
-        b = tensors.get(key.replace(".lora_A.", ".lora_B."))
-        if b is None or a.shape[0] != rank or b.shape[1] != rank:
-            raise LoRAError(f"LoRA adapter {name!r}: {module} has no rank-{rank} lora_B")
-        deltas[module] = LoRADelta(a.to(dtype), (b * scale).to(dtype))
-    if not deltas:
-        raise LoRAError(f"LoRA adapter {name!r} at {path} holds no lora_A/lora_B weights")
-    return LoRAAdapter(name, path, rank, deltas)
+    return rank, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
 class LoRAAdapters:
@@ -203,13 +235,16 @@ class LoRAAdapters:
             parent = model.get_submodule(parent_path)
         except AttributeError:
             raise LoRAError(f"LoRA target {module} is not in the model") from None
-        attribute, part = (leaf, 0) if hasattr(parent, leaf) else FUSED_PARTS.get(leaf, (leaf, 0))
+        # A projection the CPU swaps fused is a part (an output slice) of the fused one.
+        fused = not hasattr(parent, leaf) and leaf in FUSED_PARTS
+        attribute, part = FUSED_PARTS[leaf] if fused else (leaf, 0)
         current = getattr(parent, attribute, None)
         if isinstance(current, LoRALinear):
             return current, part
         if not isinstance(current, nn.Module) or not hasattr(current, "out_features"):
             raise LoRAError(f"LoRA target {module} is not a linear layer of the model")
-        slices = _part_slices(parent, attribute, current.out_features)
+        width = current.out_features
+        slices = _part_slices(parent, attribute, width) if fused else [(0, width)]
         wrapper = LoRALinear(current, self.batch, slices)
         setattr(parent, attribute, wrapper)
         return wrapper, part
@@ -224,6 +259,9 @@ def check_lora(name: str | None, adapters: LoRAAdapters | None) -> None:
 
 def load_lora_adapters(config: ModelConfig, model: nn.Module) -> LoRAAdapters | None:
     """The adapters `config` serves, wrapped into `model`; None without any."""
+    if any(isinstance(module, LoRALinear) for module in model.modules()):
+        # Its wrappers follow another engine's steps: they would add terms to the wrong rows.
+        raise LoRAError("this model object already serves another engine's LoRA adapters")
     if not config.lora_adapters:
         return None
     modules = {name: Path(path) for name, path in config.lora_adapters.items()}

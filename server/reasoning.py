@@ -4,8 +4,8 @@ the message's (or delta's) `reasoning` field, as vLLM does, the rest as `content
 parser then reads).
 
 - `deepseek_r1`: the reply starts inside the reasoning (R1's template opens `<think>` in the
-  prompt; a `<think>` the model writes anyway is dropped). A reply that never closes it is all
-  reasoning.
+  prompt; a `<think>` the model writes anyway is dropped), unless the prompt or an assistant
+  prefill closed it already. A reply that never closes it is all reasoning.
 - `qwen3`: the reply is reasoning only inside a think block: one the model opens at its start,
   one the rendered prompt opens at its end (Qwen3's thinking-only templates), or one an assistant
   prefill left open (`continue_final_message`). Otherwise (thinking off, `enable_thinking:
@@ -37,6 +37,8 @@ def opens_in_reasoning(parser: str, prompt_text: str, prefill: str = "") -> bool
     """Whether the reply starts inside a think block. `prefill`: the assistant message the reply
     continues (continue_final_message), if any. A `<think>` elsewhere in the prompt (a user
     asking about the tag) does not count."""
+    if prompt_text.rstrip().endswith(CLOSE) or prefill.rfind(CLOSE) > prefill.rfind(OPEN):
+        return False  # the prompt closed the block already (thinking off, or a prefill)
     if parser == "deepseek_r1":
         return True
     return prompt_text.rstrip().endswith(OPEN) or prefill.rfind(OPEN) > prefill.rfind(CLOSE)

@@ -2,7 +2,8 @@
 
 - tokenizers up to v7 (Mistral 7B Instruct v0.3, Mixtral 8x22B, Mistral Small 3.1): one JSON
   list, `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`;
-- v11 and later (Mistral Small 3.2, Magistral, Devstral): `[TOOL_CALLS]f[ARGS]{...}` per call.
+- v11 and later (Mistral Small 3.2, Magistral, Devstral): `[TOOL_CALLS]f[ARGS]{...}` per call,
+  `f[CALL_ID]id[ARGS]{...}` where the tokenizer has call ids (the server gives its own).
 
 `[TOOL_CALLS]` and `[ARGS]` are special tokens, so the chat route keeps special tokens in the text
 of requests this parser reads (`ToolPlan.shows_special_tokens`), as vLLM does. Text before the
@@ -12,6 +13,8 @@ only 9-character alphanumeric call ids, which the server then gives its calls (t
 """
 
 from __future__ import annotations
+
+import json
 
 from pagedserve.server.json_input import load_json
 from pagedserve.server.tool_parsers.base import (
@@ -23,7 +26,7 @@ from pagedserve.server.tool_parsers.base import (
     whole_calls,
 )
 
-TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 
 
 class MistralParser:
@@ -57,13 +60,20 @@ class MistralParser:
 
 def parse_calls(text: str) -> list[ParsedCall]:
     """The calls of `text` (from its first `[TOOL_CALLS]`), or [] if it is not all calls."""
-    segments = [segment.strip() for segment in text.split(TOOL_CALLS)[1:]]
-    if not segments or not all(segments):
-        return []
-    if segments[0].startswith("["):  # the JSON list, one tag before it
-        return _json_list(segments[0]) if len(segments) == 1 else []
-    calls = [_named_call(segment) for segment in segments]
-    return calls if all(call is not None for call in calls) else []  # type: ignore[return-value]
+    rest = text[text.find(TOOL_CALLS) + len(TOOL_CALLS) :].strip()
+    if rest.startswith("["):  # the JSON list: all the rest (a tag inside a string is text)
+        return _json_list(rest)
+    calls = []
+    while True:
+        call, rest = _named_call(rest)
+        if call is None:
+            return []
+        calls.append(call)
+        if not rest:
+            return calls
+        if not rest.startswith(TOOL_CALLS):
+            return []
+        rest = rest[len(TOOL_CALLS) :].lstrip()
 
 
 def _json_list(text: str) -> list[ParsedCall]:
@@ -77,14 +87,18 @@ def _json_list(text: str) -> list[ParsedCall]:
     return calls if all(call is not None for call in calls) else []  # type: ignore[return-value]
 
 
-def _named_call(segment: str) -> ParsedCall | None:
-    """`name[ARGS]{...}`: one call, or None."""
-    name, separator, arguments = segment.partition(ARGS)
-    name = name.strip()
-    if not separator or not name or any(character.isspace() for character in name):
-        return None
+def _named_call(text: str) -> tuple[ParsedCall | None, str]:
+    """`name[ARGS]{...}` (or `name[CALL_ID]id[ARGS]{...}`, v13 on: the id is left, the server
+    gives its own) at the start of `text`: the call and the text after it, or (None, "")."""
+    head, separator, arguments = text.partition(ARGS)
+    name = head.partition(CALL_ID)[0].strip()
+    if not separator or not name or any(c.isspace() or c in "[]" for c in name):
+        return None, ""
+    arguments = arguments.lstrip()
     try:
-        value = load_json(arguments)
-    except ValueError:
-        return None
-    return make_call(name, value) if isinstance(value, dict) else None
+        value, end = json.JSONDecoder().raw_decode(arguments)
+    except (ValueError, RecursionError):
+        return None, ""
+    if not isinstance(value, dict):
+        return None, ""
+    return make_call(name, value), arguments[end:].strip()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.configs.engine import CacheConfig, EngineConfig, parse_bytes
+from pagedserve.configs.engine import CacheConfig, EngineConfig, ModelConfig, parse_bytes
 from pagedserve.configs.loader import PRESETS_DIR, load_engine_config
 from pagedserve.configs.sampling import SamplingParams, SamplingParamsError
 
@@ -243,3 +243,20 @@ def test_kv_cache_memory_defaults_to_auto_and_accepts_it_in_any_case():
     assert CacheConfig().kv_cache_memory == "auto"
     assert CacheConfig(kv_cache_memory="AUTO").kv_cache_memory == "AUTO"
     assert CacheConfig(kv_cache_memory="2GiB").kv_cache_memory == "2GiB"
+
+
+def test_lora_modules_are_name_path_pairs_named_once_apart_from_the_model():
+    config = ModelConfig(enable_lora=True, lora_modules=["sql=/a/sql", "chat=/a/chat"])
+    assert config.lora_adapters == {"sql": "/a/sql", "chat": "/a/chat"}
+    from_env = load_engine_config(
+        environ={"PAGEDSERVE_ENABLE_LORA": "1", "PAGEDSERVE_LORA_MODULES": "a=/x b=/y"}
+    )
+    assert from_env.model.lora_adapters == {"a": "/x", "b": "/y"}
+    for settings, message in [
+        ({"lora_modules": ["sql=/a"]}, "needs enable_lora"),
+        ({"enable_lora": True, "lora_modules": ["sql=/a", "sql=/b"]}, "each name once"),
+        ({"enable_lora": True, "lora_modules": ["sql"]}, "name=path"),
+        ({"enable_lora": True, "lora_modules": ["m=/a"], "served_model_name": "m"}, "unreachable"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ModelConfig(**settings)

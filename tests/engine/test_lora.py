@@ -13,14 +13,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from transformers import Phi3Config, Phi3ForCausalLM
 
 from pagedserve.configs import SamplingParams, load_engine_config
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora import LoRAError
+from pagedserve.engine.model_loader import LoadedModel
 from tests.engine.conftest import (
+    TINY_MAX_MODEL_LEN,
+    TINY_VOCAB_SIZE,
     assert_matches_reference,
     hf_greedy_reference,
+    make_engine,
     run_to_completion,
 )
 
@@ -32,23 +37,23 @@ ADAPTERS = {  # name -> (layers, projections, rank, alpha, rsLoRA)
 }
 
 
+def _part(projection: str) -> str:
+    return "mlp" if projection.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn"
+
+
 def _module(model: nn.Module, layer: int, projection: str) -> nn.Linear:
-    block = model.model.layers[layer]
-    return getattr(
-        block.mlp
-        if projection.endswith(("gate_proj", "up_proj", "down_proj"))
-        else block.self_attn,
-        projection,
-    )
+    return getattr(getattr(model.model.layers[layer], _part(projection)), projection)
 
 
 def _path(layer: int, projection: str) -> str:
-    part = "mlp" if projection in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-    return f"model.layers.{layer}.{part}.{projection}"
+    return f"model.layers.{layer}.{_part(projection)}.{projection}"
 
 
-def write_adapter(folder: Path, model: nn.Module, spec, seed: int, **config) -> dict:
-    """A PEFT LoRA folder of random A and B; returns module path -> (A, B, scale)."""
+def write_adapter(
+    folder: Path, model: nn.Module, spec, seed: int, extra: dict | None = None, **config
+) -> dict:
+    """A PEFT LoRA folder of random A and B (plus `extra` tensors, by key); returns module path
+    -> (A, B, scale)."""
     layers, projections, rank, alpha, rslora = spec
     generator = torch.Generator().manual_seed(seed)
     tensors, terms = {}, {}
@@ -61,7 +66,7 @@ def write_adapter(folder: Path, model: nn.Module, spec, seed: int, **config) -> 
             tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
             terms[_path(layer, projection)] = (a, b, alpha / (rank**0.5 if rslora else rank))
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, folder / "adapter_model.safetensors")
+    save_file(tensors | (extra or {}), folder / "adapter_model.safetensors")
     settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": rslora}
     settings |= {"target_modules": list(projections), "bias": "none"} | config
     (folder / "adapter_config.json").write_text(json.dumps(settings))
@@ -99,7 +104,9 @@ def engine(default_model_path, adapters) -> LLMEngine:
     return _engine(default_model_path, [f"{name}={path}" for name, (path, _) in adapters.items()])
 
 
-def _reference(default_hf_model, terms: dict | None, prompt: list[int]):
+def _reference(
+    default_hf_model, terms: dict | None, prompt: list[int], max_new_tokens=MAX_NEW_TOKENS
+):
     model = default_hf_model
     if terms:
         model = copy.deepcopy(default_hf_model)
@@ -107,7 +114,7 @@ def _reference(default_hf_model, terms: dict | None, prompt: list[int]):
             parent, _, leaf = path.rpartition(".")
             owner = model.get_submodule(parent)
             setattr(owner, leaf, ReferenceLoRA(getattr(owner, leaf), a, b, scale))
-    return hf_greedy_reference(model, prompt, MAX_NEW_TOKENS)
+    return hf_greedy_reference(model, prompt, max_new_tokens)
 
 
 def test_a_mixed_batch_gives_each_request_its_own_models_tokens(engine, adapters, default_hf_model):
@@ -155,6 +162,10 @@ def test_a_request_naming_an_unknown_adapter_is_refused(engine):
     assert error.value.param == "lora" and not engine.has_unfinished_requests()
 
 
+A_64 = torch.zeros(8, 64)
+B_576 = torch.zeros(576, 8)  # o_proj's rows, with A_64's columns of another width
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
@@ -162,11 +173,71 @@ def test_a_request_naming_an_unknown_adapter_is_refused(engine):
         ({"bias": "all"}, "bias"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"r": 128}, "max-lora-rank"),
+        # Layers that do not run the step's token rows, or are no linear layers, and weights
+        # the loader would otherwise drop.
+        ({"extra": {"base_model.model.lm_head.lora_A.weight": A_64}}, "only a decoder layer"),
+        (
+            {
+                "extra": {
+                    "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight": A_64
+                }
+            },
+            "only a decoder layer",
+        ),
+        (
+            {"extra": {"base_model.model.model.embed_tokens.lora_embedding_A": A_64}},
+            "weights not supported",
+        ),
+        # Shapes of another model.
+        (
+            {
+                "extra": {
+                    "base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight": A_64,
+                    "base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight": B_576,
+                }
+            },
+            "lora_A has 64 columns",
+        ),
     ],
 )
 def test_adapters_the_engine_cannot_compute_are_refused(
     tmp_path, default_model_path, default_hf_model, config, message
 ):
-    write_adapter(tmp_path / "bad", default_hf_model, ((0,), ("q_proj",), 8, 8, False), 0, **config)
+    spec = ((0,), ("q_proj",), 8, 8, False)
+    write_adapter(tmp_path / "bad", default_hf_model, spec, 0, **config)
     with pytest.raises(LoRAError, match=message):
         _engine(default_model_path, [f"bad={tmp_path / 'bad'}"])
+
+
+def test_a_model_that_fuses_its_own_projections_takes_adapters_on_them(tmp_path, default_tokenizer):
+    # Phi-3's qkv_proj and gate_up_proj are the model's own: one slice each, not pagedserve's
+    # fused parts.
+    config = Phi3Config(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=TINY_MAX_MODEL_LEN,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(config).float().eval()
+    terms = write_adapter(
+        tmp_path / "phi", model, ((0, 1), ("qkv_proj", "gate_up_proj"), 4, 8, False), 0
+    )
+    loaded = LoadedModel(
+        copy.deepcopy(model), default_tokenizer, config, Path("."), TINY_MAX_MODEL_LEN
+    )
+    engine = make_engine(loaded, enable_lora=True, lora_modules=[f"phi={tmp_path / 'phi'}"])
+    prompt = list(range(5, 17))
+    engine.add_request(
+        "p", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, lora="phi")
+    )
+    run = run_to_completion(engine)
+    assert_matches_reference(run.token_ids["p"], _reference(model, terms, prompt, 8), "phi-3 lora")
+    with pytest.raises(LoRAError, match="already serves"):  # its wrappers follow that engine
+        make_engine(loaded)

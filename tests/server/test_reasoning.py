@@ -43,6 +43,10 @@ def test_reasoning_is_split_from_the_answer_in_every_chunk_split(text, in_reason
 
 def test_where_a_reply_starts():
     assert opens_in_reasoning("deepseek_r1", "<|User|>hi<|Assistant|>")
+    # ... unless the prompt closed the block (thinking off) or a prefill did: the reply is the
+    # answer (and an output constraint applies from its first token).
+    assert not opens_in_reasoning("deepseek_r1", "<|Assistant|><think>\n\n</think>\n\n")
+    assert not opens_in_reasoning("deepseek_r1", "x", prefill="<think>a</think>b")
     assert opens_in_reasoning("qwen3", "<|im_start|>assistant\n<think>\n")  # left open
     assert not opens_in_reasoning("qwen3", "<|im_start|>assistant\n")
     assert not opens_in_reasoning("qwen3", "assistant\n<think>\n\n</think>\n\n")  # thinking off

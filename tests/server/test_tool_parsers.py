@@ -278,6 +278,20 @@ def test_pythonic_parser_refuses_a_repeated_keyword_and_ignores_escape_warnings(
             [ADD, WEATHER],
         ),
         ('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "Checking.", [WEATHER]),
+        # v13 on: a call id before the arguments (the server gives its own).
+        ('[TOOL_CALLS]add[CALL_ID]abc123XYZ[ARGS]{"a": 1, "b": 2}', "", [ADD]),
+        # The tag inside an argument's string is text of that string, in either convention.
+        (
+            '[TOOL_CALLS][{"name": "note", "arguments": {"s": "x[TOOL_CALLS]y"}}]',
+            "",
+            [ParsedCall("note", '{"s": "x[TOOL_CALLS]y"}')],
+        ),
+        (
+            '[TOOL_CALLS]note[ARGS]{"s": "x[TOOL_CALLS]y"}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}',
+            "",
+            [ParsedCall("note", '{"s": "x[TOOL_CALLS]y"}'), ADD],
+        ),
+        ("[TOOL_CALLS]a[b[ARGS]{}", "[TOOL_CALLS]a[b[ARGS]{}", []),
         ("A [TOOL word] and [TOOL_CALL", "A [TOOL word] and [TOOL_CALL", []),
         # Not all calls: the whole reply from the tag on stays text.
         ('[TOOL_CALLS]add[ARGS]{"a": 1', '[TOOL_CALLS]add[ARGS]{"a": 1', []),
