@@ -110,6 +110,9 @@ class LoRALinear(nn.Module):
         self.batch = batch
         self.slices = tuple(slices)
         self.deltas: dict[int, list[LoRADelta | None]] = {}  # adapter index -> per slice
+        # adapter index -> its parts' A stacked [sum of ranks, in] (one matmul for all parts),
+        # and per part (output columns, its rows of the product, B)
+        self._stacked: dict[int, tuple[Tensor, list[tuple[int, int, int, int, Tensor]]]] = {}
 
     def add(self, adapter: int, part: int, delta: LoRADelta) -> None:
         start, end = self.slices[part]
@@ -119,7 +122,15 @@ class LoRALinear(nn.Module):
             raise LoRAError(
                 f"lora_A has {delta.a.shape[1]} columns; the layer has {self.base.in_features}"
             )
-        self.deltas.setdefault(adapter, [None] * len(self.slices))[part] = delta
+        parts = self.deltas.setdefault(adapter, [None] * len(self.slices))
+        parts[part] = delta
+        present = [(bounds, d) for bounds, d in zip(self.slices, parts, strict=True) if d]
+        ranks = [0, *itertools.accumulate(d.a.shape[0] for _, d in present)]
+        pieces = [
+            (start, end, low, high, d.b)
+            for ((start, end), d), low, high in zip(present, ranks[:-1], ranks[1:], strict=True)
+        ]
+        self._stacked[adapter] = (torch.cat([d.a for _, d in present]), pieces)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
@@ -128,10 +139,17 @@ class LoRALinear(nn.Module):
             return y
         rows_in, rows_out = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         for adapter, rows in groups:
-            selected = rows_in.index_select(0, rows)
-            for (start, end), delta in zip(self.slices, self.deltas.get(adapter, ()), strict=False):
-                if delta is not None:
-                    rows_out[rows, start:end] += (selected @ delta.a.T) @ delta.b.T
+            if adapter not in self._stacked:
+                continue
+            a, pieces = self._stacked[adapter]
+            every_row = rows.numel() == rows_in.shape[0]  # the whole step runs this adapter
+            low_rank = (rows_in if every_row else rows_in.index_select(0, rows)) @ a.T
+            for start, end, low, high, b in pieces:
+                term = low_rank[:, low:high] @ b.T
+                if every_row:
+                    rows_out[:, start:end] += term
+                else:
+                    rows_out[rows, start:end] += term
         return y
 
     def extra_repr(self) -> str:
@@ -271,12 +289,7 @@ def load_lora_adapters(config: ModelConfig, model: nn.Module) -> LoRAAdapters | 
 
 
 def _part_slices(parent: nn.Module, attribute: str, out_features: int) -> list[tuple[int, int]]:
-    """The output columns of each part a (possibly fused) projection computes."""
-    if attribute == "qkv_proj":
-        sizes = list(parent.split_sizes)
-    elif attribute == "gate_up_proj":
-        sizes = [out_features // 2] * 2
-    else:
-        sizes = [out_features]
+    """The output columns of each part of a projection the CPU swaps fused."""
+    sizes = parent.split_sizes if attribute == "qkv_proj" else [out_features // 2] * 2
     bounds = [0, *itertools.accumulate(sizes)]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
