@@ -1,7 +1,7 @@
 """LoRA adapters served beside the base model (vLLM's `--enable-lora --lora-modules name=path`).
 
-An adapter (a PEFT folder: `adapter_config.json` + `adapter_model.safetensors`) adds to some of
-the model's linear layers a low-rank term: y = x W^T + s (x A^T) B^T, A [r, in], B [out, r],
+An adapter (a PEFT folder, read by engine/lora_adapter.py) adds to some of the model's linear
+layers a low-rank term: y = x W^T + s (x A^T) B^T, A [r, in], B [out, r],
 s = alpha / r (alpha / sqrt(r) with rsLoRA). The weights are never merged: one batch mixes
 requests of the base model and of several adapters, each token's rows getting its own
 request's term.
@@ -17,34 +17,21 @@ on the logits rows only (engine/kept_rows.py): the batch knows those rows' adapt
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import math
-import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from pagedserve.configs import ModelConfig
 from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.fused_attention import FusedAttention
+from pagedserve.engine.fused_mlp import FusedMLP
+from pagedserve.engine.lora_adapter import LoRAAdapter, LoRADelta, LoRAError, load_adapter
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
-# The layers an adapter may target: a decoder layer's per-token projections (Phi-3's own fused
-# ones included). Anything else sees other rows than the step's tokens (lm_head the logits rows,
-# latent attention's kv_b_proj the whole history, MoE experts their routed tokens) or is no
-# linear layer (embeddings): refused at load rather than given another request's rows.
-TARGETS = frozenset(
-    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    + ("qkv_proj", "gate_up_proj")
-)
-DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+\.(self_attn|mlp)\.[a-z_]+$")
 # Projections that the CPU swaps fuse: the fused module's attribute, and each part's slice.
 FUSED_PARTS = {
     "q_proj": ("qkv_proj", 0),
@@ -53,16 +40,6 @@ FUSED_PARTS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served on this model (the message says why)."""
-
-
-@dataclass(frozen=True)
-class LoRADelta:
-    a: Tensor  # [rank, in]
-    b: Tensor  # [out, rank], scaled by the adapter's s
 
 
 class LoRABatch:
@@ -115,6 +92,8 @@ class LoRALinear(nn.Module):
         self._stacked: dict[int, tuple[Tensor, list[tuple[int, int, int, int, Tensor]]]] = {}
 
     def add(self, adapter: int, part: int, delta: LoRADelta) -> None:
+        if part >= len(self.slices):  # q_proj of a fused layer another adapter took whole
+            raise LoRAError("an adapter targets a part of a projection another targets whole")
         start, end = self.slices[part]
         if delta.b.shape[0] != end - start:
             raise LoRAError(f"lora_B has {delta.b.shape[0]} rows; the layer has {end - start}")
@@ -156,69 +135,6 @@ class LoRALinear(nn.Module):
         return f"slices={list(self.slices)}, adapters={sorted(self.deltas)}"
 
 
-@dataclass(frozen=True)
-class LoRAAdapter:
-    name: str
-    path: Path
-    rank: int
-    deltas: dict[str, LoRADelta]  # HF module path (model.layers.0.self_attn.q_proj) -> term
-
-
-def load_adapter(name: str, path: Path, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
-    """Read a PEFT LoRA folder; refuses what its terms would not compute (DoRA, trained biases,
-    per-module ranks, extra modules) rather than serving a different model."""
-    try:
-        config = json.loads((path / ADAPTER_CONFIG).read_text())
-        tensors = load_file(path / ADAPTER_WEIGHTS)
-    except (OSError, ValueError) as error:
-        raise LoRAError(f"LoRA adapter {name!r} at {path}: {error}") from None
-    rank, scale = _rank_and_scale(name, config, max_rank)
-    unread = [key for key in tensors if not key.endswith((".lora_A.weight", ".lora_B.weight"))]
-    if unread:  # e.g. lora_embedding_A/B, DoRA magnitudes: weights this loader would drop
-        raise LoRAError(f"LoRA adapter {name!r}: weights not supported: {', '.join(unread[:3])}")
-    deltas = {}
-    for key, a in tensors.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
-        if module.rpartition(".")[2] not in TARGETS or not DECODER_LAYER.search(module):
-            raise LoRAError(
-                f"LoRA adapter {name!r} targets {module}: only a decoder layer's projections "
-                f"({', '.join(sorted(TARGETS))}) are supported"
-            )
-        b = tensors.get(key.replace(".lora_A.", ".lora_B."))
-        if b is None or a.shape[0] != rank or b.shape[1] != rank:
-            raise LoRAError(f"LoRA adapter {name!r}: {module} has no rank-{rank} lora_B")
-        deltas[module] = LoRADelta(a.to(dtype), (b * scale).to(dtype))
-    if not deltas:
-        raise LoRAError(f"LoRA adapter {name!r} at {path} holds no lora_A/lora_B weights")
-    return LoRAAdapter(name, path, rank, deltas)
-
-
-def _rank_and_scale(name: str, config: dict, max_rank: int) -> tuple[int, float]:
-    """The adapter's rank and the factor s of its terms; raises LoRAError for a configuration
-    whose terms would not be s (x A^T) B^T."""
-    refused = {
-        "use_dora": config.get("use_dora"),
-        "bias": config.get("bias", "none") != "none",
-        "modules_to_save": config.get("modules_to_save"),
-        "rank_pattern": config.get("rank_pattern"),
-        "alpha_pattern": config.get("alpha_pattern"),
-        "fan_in_fan_out": config.get("fan_in_fan_out"),
-    }
-    if any(refused.values()) or config.get("peft_type", "LORA") != "LORA":
-        unsupported = [key for key, value in refused.items() if value] or ["peft_type"]
-        raise LoRAError(f"LoRA adapter {name!r}: not supported: {', '.join(unsupported)}")
-    try:
-        rank = int(config.get("r", 0))
-        alpha = float(config.get("lora_alpha", rank))
-    except (TypeError, ValueError):
-        raise LoRAError(f"LoRA adapter {name!r}: r and lora_alpha must be numbers") from None
-    if not 0 < rank <= max_rank:
-        raise LoRAError(f"LoRA adapter {name!r} has rank {rank}; --max-lora-rank is {max_rank}")
-    return rank, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-
-
 class LoRAAdapters:
     """The served adapters, numbered 1.. in the order given, wrapped into `model`."""
 
@@ -253,8 +169,9 @@ class LoRAAdapters:
             parent = model.get_submodule(parent_path)
         except AttributeError:
             raise LoRAError(f"LoRA target {module} is not in the model") from None
-        # A projection the CPU swaps fused is a part (an output slice) of the fused one.
-        fused = not hasattr(parent, leaf) and leaf in FUSED_PARTS
+        # A projection the CPU swaps fused is a part (an output slice) of the fused one; a
+        # model's own fused projection (Phi-3's) is one slice, and has no parts to target.
+        fused = isinstance(parent, (FusedAttention, FusedMLP)) and leaf in FUSED_PARTS
         attribute, part = FUSED_PARTS[leaf] if fused else (leaf, 0)
         current = getattr(parent, attribute, None)
         if isinstance(current, LoRALinear):

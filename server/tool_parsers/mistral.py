@@ -60,7 +60,10 @@ class MistralParser:
 
 def parse_calls(text: str) -> list[ParsedCall]:
     """The calls of `text` (from its first `[TOOL_CALLS]`), or [] if it is not all calls."""
-    rest = text[text.find(TOOL_CALLS) + len(TOOL_CALLS) :].strip()
+    start = text.find(TOOL_CALLS)
+    if start < 0:
+        return []
+    rest = text[start + len(TOOL_CALLS) :].strip()
     if rest.startswith("["):  # the JSON list: all the rest (a tag inside a string is text)
         return _json_list(rest)
     calls = []

@@ -188,6 +188,10 @@ B_576 = torch.zeros(576, 8)  # o_proj's rows, with A_64's columns of another wid
             {"extra": {"base_model.model.model.embed_tokens.lora_embedding_A": A_64}},
             "weights not supported",
         ),
+        (
+            {"extra": {"base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight": B_576}},
+            "weights not supported",  # a lora_B without its lora_A
+        ),
         # Shapes of another model.
         (
             {
@@ -241,3 +245,31 @@ def test_a_model_that_fuses_its_own_projections_takes_adapters_on_them(tmp_path,
     assert_matches_reference(run.token_ids["p"], _reference(model, terms, prompt, 8), "phi-3 lora")
     with pytest.raises(LoRAError, match="already serves"):  # its wrappers follow that engine
         make_engine(loaded)
+    # Phi-3 has no q_proj of its own to take a part of: refused, not a crash.
+    q_proj = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64)}
+    q_proj["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"] = torch.zeros(64, 4)
+    write_adapter(tmp_path / "q", model, ((), (), 4, 8, False), 0, extra=q_proj)
+    fresh = LoadedModel(copy.deepcopy(model), default_tokenizer, config, Path("."), 512)
+    with pytest.raises(LoRAError, match="not a linear layer"):
+        make_engine(fresh, enable_lora=True, lora_modules=[f"q={tmp_path / 'q'}"])
+
+
+@pytest.mark.parametrize(
+    ("config_text", "weights", "message"),
+    [
+        ("[]", None, "not a JSON object"),
+        ('{"r": 1e999}', None, "must be numbers"),
+        ('{"r": 8}', b"version https://git-lfs.github.com/spec/v1\n", "holds no|at"),
+        ('{"r": 8}', b"", "at"),
+    ],
+)
+def test_unreadable_adapter_folders_are_refused_by_name(
+    tmp_path, default_model_path, config_text, weights, message
+):
+    folder = tmp_path / "broken"
+    write_adapter(folder, nn.Module(), ((), (), 8, 8, False), 0)  # a valid empty folder first
+    (folder / "adapter_config.json").write_text(config_text)
+    if weights is not None:
+        (folder / "adapter_model.safetensors").write_bytes(weights)
+    with pytest.raises(LoRAError, match=message):
+        _engine(default_model_path, [f"broken={folder}"])

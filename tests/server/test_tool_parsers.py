@@ -17,6 +17,7 @@ from pagedserve.server.tool_parsers import (
     ParsedCall,
     PythonicParser,
 )
+from pagedserve.server.tool_parsers.mistral import parse_calls as parse_mistral_calls
 
 WEATHER = ParsedCall("get_weather", '{"city": "Paris"}')
 ADD = ParsedCall("add", '{"a": 1, "b": 2}')
@@ -307,6 +308,10 @@ def test_mistral_parser_reads_both_conventions_in_every_chunk_split(text, conten
     for size in (1, 2, 5, len(text)):
         pieces = [text[i : i + size] for i in range(0, len(text), size)]
         assert _run(MistralParser(), pieces) == (content, calls), size
+
+
+def test_mistral_calls_are_read_only_after_the_tag():
+    assert parse_mistral_calls('Hello [{"name": "f", "arguments": {}}]') == []
 
 
 def test_mistral_parser_streams_the_text_before_the_tag():
