@@ -51,7 +51,7 @@ _near_tie_divergences: list[str] = []
 TINY_VOCAB_SIZE = 1024  # token ids below it decode with the default model's tokenizer
 TINY_MAX_MODEL_LEN = 512
 
-_COMMON = dict(
+TINY_COMMON = dict(  # every tiny model's shared fields
     vocab_size=TINY_VOCAB_SIZE,
     hidden_size=64,
     intermediate_size=128,
@@ -71,7 +71,7 @@ TINY_FAMILIES: dict[str, tuple[type, PretrainedConfig]] = {
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=16,
-            **_COMMON,
+            **TINY_COMMON,
         ),
     ),
     "llama-mha": (
@@ -81,7 +81,7 @@ TINY_FAMILIES: dict[str, tuple[type, PretrainedConfig]] = {
             num_attention_heads=2,
             num_key_value_heads=2,
             head_dim=32,
-            **_COMMON,
+            **TINY_COMMON,
         ),
     ),
     "qwen2-gqa": (
@@ -91,7 +91,7 @@ TINY_FAMILIES: dict[str, tuple[type, PretrainedConfig]] = {
             num_attention_heads=4,
             num_key_value_heads=1,
             use_sliding_window=False,
-            **_COMMON,
+            **TINY_COMMON,
         ),
     ),
     "qwen3-gqa": (
@@ -102,7 +102,7 @@ TINY_FAMILIES: dict[str, tuple[type, PretrainedConfig]] = {
             num_key_value_heads=2,
             head_dim=32,
             use_sliding_window=False,
-            **_COMMON,
+            **TINY_COMMON,
         ),
     ),
     "mistral-gqa": (
@@ -113,7 +113,7 @@ TINY_FAMILIES: dict[str, tuple[type, PretrainedConfig]] = {
             num_key_value_heads=2,
             head_dim=16,
             sliding_window=None,
-            **_COMMON,
+            **TINY_COMMON,
         ),
     ),
 }

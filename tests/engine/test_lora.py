@@ -21,8 +21,8 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora import LoRAError
 from pagedserve.engine.model_loader import LoadedModel
 from tests.engine.conftest import (
+    TINY_COMMON,
     TINY_MAX_MODEL_LEN,
-    TINY_VOCAB_SIZE,
     assert_matches_reference,
     hf_greedy_reference,
     make_engine,
@@ -217,16 +217,7 @@ def test_a_model_that_fuses_its_own_projections_takes_adapters_on_them(tmp_path,
     # Phi-3's qkv_proj and gate_up_proj are the model's own: one slice each, not pagedserve's
     # fused parts.
     config = Phi3Config(
-        vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=TINY_MAX_MODEL_LEN,
-        pad_token_id=0,
-        eos_token_id=2,
-        bos_token_id=1,
+        **TINY_COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     )
     torch.manual_seed(0)
     model = Phi3ForCausalLM(config).float().eval()
