@@ -49,6 +49,10 @@ def assemble(deltas: list[CallDelta]) -> list[ParsedCall]:
     return [ParsedCall(names[index], arguments.get(index, "")) for index in sorted(names)]
 
 
+def chunked(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
 def _run(parser, pieces: list[str]) -> tuple[str, list[ParsedCall]]:
     shown, deltas = "", []
     for piece in pieces:
@@ -62,8 +66,7 @@ def _run(parser, pieces: list[str]) -> tuple[str, list[ParsedCall]]:
 def test_hermes_parser_reads_calls_and_content_in_every_chunk_split(text, content, calls):
     assert _run(HermesParser(), [text]) == (content, calls)
     for size in (1, 2, 3, 7):
-        pieces = [text[i : i + size] for i in range(0, len(text), size)]
-        assert _run(HermesParser(), pieces) == (content, calls), size
+        assert _run(HermesParser(), chunked(text, size)) == (content, calls), size
 
 
 def test_hermes_parser_streams_text_before_a_call_and_each_call_as_its_block_closes():
@@ -96,8 +99,7 @@ def test_hermes_parser_streams_text_before_a_call_and_each_call_as_its_block_clo
 )
 def test_llama3_json_parser_reads_calls_or_returns_text(text, content, calls):
     for size in (1, 4, len(text)):
-        pieces = [text[i : i + size] for i in range(0, len(text), size)]
-        assert _run(Llama3JsonParser(), pieces) == (content, calls)
+        assert _run(Llama3JsonParser(), chunked(text, size)) == (content, calls), size
 
 
 REQUIRED = json.dumps(
@@ -113,8 +115,7 @@ def test_forced_calls_parser_reads_named_arguments_and_required_lists():
     named = ForcedCallsParser("get_weather")
     assert _run(named, ['{"city": ', '"Paris"}']) == ("", [WEATHER])
     for size in (1, 3, len(REQUIRED)):  # strings holding brackets, quotes and backslashes
-        pieces = [REQUIRED[i : i + size] for i in range(0, len(REQUIRED), size)]
-        assert _run(ForcedCallsParser(None), pieces) == ("", [ADD, NOTE]), size
+        assert _run(ForcedCallsParser(None), chunked(REQUIRED, size)) == ("", [ADD, NOTE]), size
     cut = ForcedCallsParser(None)  # max_tokens cut the JSON before any name: it stays text
     assert _run(cut, ['[{"name": "ad']) == ('[{"name": "ad', [])
 
@@ -223,8 +224,7 @@ def test_parsers_leave_json_nested_past_the_interpreters_limit_as_text(parser):
 )
 def test_pythonic_parser_reads_a_list_of_calls_or_returns_text(text, content, calls):
     for size in (1, 4, len(text)):
-        pieces = [text[i : i + size] for i in range(0, len(text), size)]
-        assert _run(PythonicParser(), pieces) == (content, calls), size
+        assert _run(PythonicParser(), chunked(text, size)) == (content, calls), size
 
 
 def test_pythonic_parser_streams_plain_text_as_it_comes():
@@ -306,8 +306,7 @@ def test_pythonic_parser_refuses_a_repeated_keyword_and_ignores_escape_warnings(
 )
 def test_mistral_parser_reads_both_conventions_in_every_chunk_split(text, content, calls):
     for size in (1, 2, 5, len(text)):
-        pieces = [text[i : i + size] for i in range(0, len(text), size)]
-        assert _run(MistralParser(), pieces) == (content, calls), size
+        assert _run(MistralParser(), chunked(text, size)) == (content, calls), size
 
 
 def test_mistral_calls_are_read_only_after_the_tag():
