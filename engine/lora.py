@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from pagedserve.configs import ModelConfig
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.fused_attention import FusedAttention
 from pagedserve.engine.fused_mlp import FusedMLP
-from pagedserve.engine.lora_adapter import LoRAAdapter, LoRADelta, LoRAError, load_adapter
+from pagedserve.engine.lora_adapter import LoRADelta, LoRAError, load_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,10 @@ class LoRABatch:
                 raise RuntimeError("kept rows must be fewer than the step's rows")
             kept = token_adapters[kept_rows]
             self._groups[kept_rows.numel()] = _groups(kept, self.device)
+
+    def clear(self) -> None:
+        """A step in which no row runs an adapter."""
+        self._groups = {}
 
     def groups_for(self, num_rows: int) -> list[tuple[int, Tensor]]:
         if not any(self._groups.values()):  # no adapter runs this step
@@ -143,23 +147,23 @@ class LoRAAdapters:
         device = next(model.parameters()).device
         self.batch = LoRABatch(device)
         self.index = {name: i for i, name in enumerate(modules, start=1)}
-        self.adapters: dict[str, LoRAAdapter] = {}
+        self.ranks: dict[str, int] = {}  # the weights live in the wrappers only
         for name, path in modules.items():
             adapter = load_adapter(name, Path(path), max_rank, dtype)
             for module, delta in adapter.deltas.items():
                 layer, part = self._layer(model, module)
                 moved = LoRADelta(delta.a.to(device), delta.b.to(device))
                 layer.add(self.index[name], part, moved)
-            self.adapters[name] = adapter
+            self.ranks[name] = adapter.rank
 
-    def __iter__(self) -> Iterator[LoRAAdapter]:
-        return iter(self.adapters.values())
-
-    def set_step(self, loras: Sequence[str | None], num_tokens: Sequence[int], kept: Tensor | None):
-        """Before a forward: request i of the step runs adapter `loras[i]` on its `num_tokens[i]`
-        rows; `kept`: the rows the last layer keeps (engine/kept_rows.py), if any."""
-        indices = [self.index[lora] if lora else 0 for lora in loras]
-        token_adapters = torch.repeat_interleave(torch.tensor(indices), torch.tensor(num_tokens))
+    def set_step(self, rows: Sequence[tuple[str | None, int]], kept: Tensor | None) -> None:
+        """Before a forward: each request of the step as (its adapter or None, its number of
+        rows); `kept`: the rows the last layer keeps (engine/kept_rows.py), if any."""
+        if not any(lora for lora, _ in rows):  # a base-model step: no row map to build
+            self.batch.clear()
+            return
+        indices = torch.tensor([self.index[lora] if lora else 0 for lora, _ in rows])
+        token_adapters = torch.repeat_interleave(indices, torch.tensor([n for _, n in rows]))
         self.batch.set(token_adapters, None if kept is None else kept.cpu())
 
     def _layer(self, model: nn.Module, module: str) -> tuple[LoRALinear, int]:
@@ -201,7 +205,8 @@ def load_lora_adapters(config: ModelConfig, model: nn.Module) -> LoRAAdapters | 
         return None
     modules = {name: Path(path) for name, path in config.lora_adapters.items()}
     adapters = LoRAAdapters(model, modules, config.max_lora_rank)
-    logger.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.rank})" for a in adapters))
+    ranks = adapters.ranks
+    logger.info("LoRA adapters: %s", ", ".join(f"{name} (rank {ranks[name]})" for name in ranks))
     return adapters
 
 

@@ -226,8 +226,7 @@ class ModelRunner:
             kept=batch.kept,
         )
         if self.lora is not None:
-            loras, num_rows = zip(*batch.lora_rows, strict=True)
-            self.lora.set_step(loras, num_rows, None if batch.kept is None else batch.kept.rows)
+            self.lora.set_step(batch.lora_rows, None if batch.kept is None else batch.kept.rows)
         # MLA writes its latent through `cache.update`: give it the paged latent cache.
         latent_cache = {}
         if engine.spec.latent:

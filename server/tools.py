@@ -43,6 +43,16 @@ HERMES_SYSTEM = (
 )
 
 
+def openai_call_id() -> str:
+    """OpenAI's shape of a call id."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def mistral_call_id() -> str:
+    """The only ids Mistral's chat templates accept back: 9 alphanumeric characters."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
     """How one request uses its tools. mode: none | auto | required | named."""
@@ -52,20 +62,13 @@ class ToolPlan:
     parser_name: str | None  # auto: the server's --tool-call-parser
     named: str | None = None
     constraint: StructuredOutputs | None = None
-    # Mistral's chat templates accept only 9-character alphanumeric call ids (as vLLM gives
-    # them under its mistral parser), also for forced calls.
-    short_call_ids: bool = False
+    call_id: Callable[[], str] = openai_call_id  # makes each call's id (mistral_call_id)
 
     @property
     def shows_special_tokens(self) -> bool:
         """Whether the reply's text must keep special tokens: the parser reads calls after one
         (Mistral's `[TOOL_CALLS]`)."""
         return self.mode == "auto" and self.parser_name == "mistral"
-
-    def new_call_id(self) -> str:
-        if self.short_call_ids:
-            return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
-        return new_call_id()
 
     def new_parser(self) -> ToolCallParser | None:
         if self.mode in ("required", "named"):
@@ -87,7 +90,8 @@ def plan_tools(body: ChatCompletionRequest, server: ServerConfig) -> ToolPlan | 
     schemas = {tool.function.name: _parameters(tool.function.parameters) for tool in body.tools}
     if choice == "none":
         return ToolPlan("none", [], None)
-    short_ids = server.tool_call_parser == "mistral"
+    # Mistral's chat templates accept only its own call ids, for forced calls too (as vLLM).
+    call_id = mistral_call_id if server.tool_call_parser == "mistral" else openai_call_id
     if choice is None or choice == "auto":
         if not server.enable_auto_tool_choice:
             raise invalid_request(
@@ -95,7 +99,7 @@ def plan_tools(body: ChatCompletionRequest, server: ServerConfig) -> ToolPlan | 
                 '--tool-call-parser; use "required" or a named tool',
                 "tool_choice",
             )
-        return ToolPlan("auto", tools, server.tool_call_parser, short_call_ids=short_ids)
+        return ToolPlan("auto", tools, server.tool_call_parser, call_id=call_id)
     if choice == "required":
         # Each tool's parameters sit in $defs, their own "#..." references re-pointed there:
         # resolved from the array's root, `#/$defs/Loc` or a recursive `#` would miss them.
@@ -116,14 +120,12 @@ def plan_tools(body: ChatCompletionRequest, server: ServerConfig) -> ToolPlan | 
         if not body.parallel_tool_calls:
             calls["maxItems"] = 1
         constraint = StructuredOutputs("json", json.dumps(calls), "tools")
-        return ToolPlan("required", tools, None, constraint=constraint, short_call_ids=short_ids)
+        return ToolPlan("required", tools, None, constraint=constraint, call_id=call_id)
     name = choice.function.name
     if name not in schemas:
         raise invalid_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
     constraint = StructuredOutputs("json", json.dumps(schemas[name]), "tools")
-    return ToolPlan(
-        "named", tools, None, named=name, constraint=constraint, short_call_ids=short_ids
-    )
+    return ToolPlan("named", tools, None, named=name, constraint=constraint, call_id=call_id)
 
 
 def _parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
@@ -230,7 +232,7 @@ class OpenAICalls:
     ) -> None:
         self.max_calls = max_calls
         self.num_calls = 0
-        self.call_id = call_id or new_call_id
+        self.call_id = call_id or openai_call_id
 
     def deltas(self, pieces: list[CallDelta]) -> list[ToolCallDelta]:
         out = []
@@ -254,11 +256,6 @@ class OpenAICalls:
                     )
                 )
         return out
-
-
-def new_call_id() -> str:
-    """OpenAI's shape of a call id."""
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def assemble_tool_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:

@@ -171,7 +171,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             plan.new_parser() if plan else None,
             ReasoningSplitter(in_reasoning) if reasoning_parser else None,
             body.parallel_tool_calls,
-            plan.new_call_id if plan else None,
+            plan.call_id if plan else None,
         )
         for _ in range(params.n)
     ]
