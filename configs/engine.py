@@ -106,6 +106,12 @@ class ModelConfig(_Section):
         "runs one by naming it as its model",
     )
     max_lora_rank: int = Field(64, ge=1, description="largest adapter rank accepted")
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(vLLM's, behind its VLLM_ALLOW_RUNTIME_LORA_UPDATING) load and unload adapters while "
+        "serving; they read any folder the server can, so keep them behind --api-key",
+    )
 
     @field_validator("lora_modules", mode="before")
     @classmethod
@@ -116,8 +122,10 @@ class ModelConfig(_Section):
     def _lora_modules_are_named_once(self) -> ModelConfig:
         if len(self.lora_adapters) != len(self.lora_modules):
             raise ValueError("lora_modules: each name once")
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("lora_modules needs enable_lora (--enable-lora, as vLLM)")
+        if (self.lora_modules or self.allow_runtime_lora_updating) and not self.enable_lora:
+            raise ValueError(
+                "lora_modules and allow_runtime_lora_updating need enable_lora (--enable-lora)"
+            )
         if (self.served_model_name or self.model) in self.lora_adapters:
             raise ValueError("lora_modules: an adapter named as the served model is unreachable")
         return self

@@ -28,7 +28,8 @@ from pagedserve.engine.errors import (
 from pagedserve.engine.inputs import ValidatedRequest
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import EngineStats, RequestDelta
-from pagedserve.engine.state import EngineState, RawEngineState, build_engine_state, take_raw_state
+from pagedserve.engine.runtime_lora import RuntimeLoRA
+from pagedserve.engine.state import EngineState, build_engine_state, take_engine_state
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def _engine_attribute(name: str) -> property:
     return property(lambda self: getattr(self._engine, name), doc=f"The engine's {name}.")
 
 
-class AsyncEngine:
+class AsyncEngine(RuntimeLoRA):
     """Implements `engine.client.EngineClient` over a threaded `LLMEngine`."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -56,7 +57,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
         self._dead_reason: str | None = None
-        self._pending_states: set[asyncio.Future[RawEngineState]] = set()
+        self._pending_calls: set[asyncio.Future[Any]] = set()  # answered by the engine thread
 
     # ---- EngineClient surface --------------------------------------------------------------
     model_name = _engine_attribute("model_name")
@@ -155,19 +156,25 @@ class AsyncEngine:
         return self._engine.stats() if self.engine is not None else EngineStats()
 
     async def engine_state(self) -> EngineState:
-        """The block pool and queues, snapshotted on the engine thread between steps (a command)."""
-        if not self.is_alive or self._loop is None:
-            raise EngineDeadError(self._dead_reason or "the engine is not running")
-        future: asyncio.Future[RawEngineState] = self._loop.create_future()
-        self._pending_states.add(future)
-        self._commands.put(("state", future))
+        """The block pool and queues, snapshotted on the engine thread between steps."""
+        call = self._on_engine_thread(take_engine_state)
         try:
-            raw = await asyncio.wait_for(future, _STATE_TIMEOUT_S)
+            raw = await asyncio.wait_for(call, _STATE_TIMEOUT_S)
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             raise EngineDeadError("the engine did not answer a state request in time") from None
-        finally:
-            self._pending_states.discard(future)
         return build_engine_state(raw)
+
+    async def _on_engine_thread(self, call: Any) -> Any:
+        """`call(engine)`, run on the engine thread between two steps; its result or exception."""
+        if not self.is_alive or self._loop is None:
+            raise EngineDeadError(self._dead_reason or "the engine is not running")
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._pending_calls.add(future)
+        self._commands.put(("call", (future, call)))
+        try:
+            return await future
+        finally:
+            self._pending_calls.discard(future)
 
     def drain_step_token_counts(self) -> list[int]:
         return _drain(self.engine.step_token_counts if self.engine is not None else None)
@@ -193,8 +200,9 @@ class AsyncEngine:
                 deltas = self._apply_commands(block=not engine.has_unfinished_requests())
                 if engine.has_unfinished_requests():
                     deltas += engine.step()
+                self._drop_retired_adapters(engine)
                 if deltas:
-                    self._deliver(deltas)
+                    self._call_in_loop(self._put_all, deltas)
         except BaseException as error:  # noqa: BLE001 - the loop's last line of defence
             logger.exception("engine loop died")
             self._dead_reason = f"engine loop died: {type(error).__name__}"
@@ -235,29 +243,21 @@ class AsyncEngine:
             return []
         if command == "abort":
             return engine.abort_request(payload)
-        if command == "state":
-            self._call_in_loop(_settle, payload, self._take_state())
+        if command == "call":
+            future, call = payload
+            try:
+                result = call(engine)
+            except Exception as error:  # noqa: BLE001 - the caller's to handle
+                result = error
+            self._call_in_loop(_settle, future, result)
             return []
         if command == "close":  # nobody reads its deltas any more; after the abort, free the id
             engine.abort_request(payload)
             self._call_in_loop(self._closing.discard, payload)
         return []
 
-    def _take_state(self) -> RawEngineState | Exception:
-        engine = self._engine
-        try:
-            return take_raw_state(
-                engine.scheduler, engine.last_plan, engine.num_steps, engine.stats()
-            )
-        except Exception as error:  # noqa: BLE001 - a bug in a snapshot must not stop serving
-            logger.exception("engine state snapshot failed")
-            return RequestFailedError(f"The engine state snapshot failed ({type(error).__name__}).")
-
     def _send_error(self, request_id: str, error: Exception) -> None:
         self._call_in_loop(self._put, request_id, error)
-
-    def _deliver(self, deltas: list[RequestDelta]) -> None:
-        self._call_in_loop(self._put_all, deltas)
 
     def _call_in_loop(self, callback: Any, *args: Any) -> None:
         try:
@@ -278,7 +278,7 @@ class AsyncEngine:
     def _fail_all(self, error: Exception) -> None:
         for stream in self._streams.values():
             stream.put_nowait(error)
-        for future in self._pending_states:
+        for future in self._pending_calls:
             _settle(future, error)
 
 

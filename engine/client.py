@@ -18,6 +18,7 @@ class EngineClient(Protocol):
     tokenizer: Any  # a transformers tokenizer: encode/decode/apply_chat_template
     sampling_defaults: dict[str, float | int]  # the model's, for fields a request leaves out
     eos_token_ids: tuple[int, ...]  # where the engine ends a choice (its generation config's)
+    lora_adapters: dict[str, str]  # each served LoRA adapter's name and folder
 
     @property
     def is_alive(self) -> bool: ...
@@ -45,6 +46,14 @@ class EngineClient(Protocol):
 
     async def engine_state(self) -> EngineState:
         """The block pool and the queues between two steps (raises EngineDeadError if down)."""
+        ...
+
+    async def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> None:
+        """Serve a PEFT folder as adapter `name` (engine/runtime_lora.py); raises LoRAError."""
+        ...
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop taking requests for adapter `name`; raises KeyError if it is not served."""
         ...
 
     def drain_step_token_counts(self) -> list[int]:

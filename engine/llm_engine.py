@@ -34,11 +34,7 @@ from pagedserve.engine.rejection_sampler import RejectionSampler
 from pagedserve.engine.sampler import SampledBatch, Sampler, SamplingRow, takes_only_argmax
 from pagedserve.engine.sampling_defaults import model_sampling_defaults
 from pagedserve.engine.structured_outputs import Matcher, StructuredOutputManager
-from pagedserve.scheduler import (
-    Request,
-    Scheduler,
-    SchedulerOutput,
-)
+from pagedserve.scheduler import Request, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +134,10 @@ class LLMEngine:
 
     def add_validated_request(self, request: ValidatedRequest) -> None:
         """Queue one sequence per choice. Raises InvalidRequestError (nothing queued) only if the
-        request id is in use: everything else was checked by `validate_request`."""
+        request id is in use or its LoRA adapter was unloaded since `validate_request`."""
         num_choices = request.params.n
+        # The adapter's load now serving it (one unloaded since validation is refused here).
+        lora = self.runner.lora.resolve(request.params.lora) if self.runner.lora else 0
         sequence_ids = [sequence_id(request.request_id, index) for index in range(num_choices)]
         sequences = [
             Request(
@@ -151,6 +149,7 @@ class LLMEngine:
                 priority=request.priority,
                 parent_sequence_id=sequence_ids[0] if index else None,
                 needs_prompt_logprobs=request.params.prompt_logprobs is not None,
+                lora=lora,
             )
             for index in range(num_choices)
         ]

@@ -12,13 +12,16 @@ parts side by side: one slice per part). Before each forward the model runner te
 `LoRABatch` which adapter each of the step's token rows runs (`ScheduledRequest.lora`); a wrapper
 then adds each adapter's term to its rows. The last decoder layer may run its output projections
 on the logits rows only (engine/kept_rows.py): the batch knows those rows' adapters too.
+
+Adapters may also be loaded and unloaded while serving (`--allow-runtime-lora-updating`, vLLM's
+/v1/load_lora_adapter): on the engine thread, between two steps.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -29,6 +32,7 @@ from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.fused_attention import FusedAttention
 from pagedserve.engine.fused_mlp import FusedMLP
 from pagedserve.engine.lora_adapter import LoRADelta, LoRAError, load_adapter
+from pagedserve.scheduler import Request
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +119,10 @@ class LoRALinear(nn.Module):
         ]
         self._stacked[adapter] = (torch.cat([d.a for _, d in present]), pieces)
 
+    def remove(self, adapter: int) -> None:
+        self.deltas.pop(adapter, None)
+        self._stacked.pop(adapter, None)
+
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
         groups = self.batch.groups_for(x.shape[:-1].numel())
@@ -140,37 +148,89 @@ class LoRALinear(nn.Module):
 
 
 class LoRAAdapters:
-    """The served adapters, numbered 1.. in the order given, wrapped into `model`."""
+    """The served adapters, wrapped into `model`. Each load gets a number never used again (1, 2,
+    ...; 0 is the base model), and a request is bound to its adapter's number when it is queued
+    (`resolve`): an adapter unloaded or replaced at run time keeps serving the requests bound to
+    it until the last one ends (`drop_retired`), and their prefix-cache salt (their number,
+    scheduler/request.py) never matches blocks another load computed."""
 
-    def __init__(self, model: nn.Module, modules: dict[str, Path], max_rank: int) -> None:
-        dtype = next(model.parameters()).dtype
-        device = next(model.parameters()).device
-        self.batch = LoRABatch(device)
-        self.index = {name: i for i, name in enumerate(modules, start=1)}
+    def __init__(self, model: nn.Module, max_rank: int) -> None:
+        self.model, self.max_rank = model, max_rank
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.batch = LoRABatch(self.device)
+        self.numbers: dict[str, int] = {}  # served name -> its load's number (engine thread)
+        # served name -> folder, for other threads (/v1/models): replaced whole, never changed
+        self.paths: dict[str, str] = {}
         self.ranks: dict[str, int] = {}  # the weights live in the wrappers only
-        for name, path in modules.items():
-            adapter = load_adapter(name, Path(path), max_rank, dtype)
-            for module, delta in adapter.deltas.items():
-                layer, part = self._layer(model, module)
-                moved = LoRADelta(delta.a.to(device), delta.b.to(device))
-                layer.add(self.index[name], part, moved)
-            self.ranks[name] = adapter.rank
+        self.retiring: set[int] = set()  # unloaded or replaced, perhaps still running requests
+        self._last_number = 0
 
-    def set_step(self, rows: Sequence[tuple[str | None, int]], kept: Tensor | None) -> None:
-        """Before a forward: each request of the step as (its adapter or None, its number of
-        rows); `kept`: the rows the last layer keeps (engine/kept_rows.py), if any."""
-        if not any(lora for lora, _ in rows):  # a base-model step: no row map to build
+    def load(self, name: str, path: Path | str, replace: bool = False) -> None:
+        """Serve the PEFT folder `path` as `name` (a new load replaces the old one's number only
+        with `replace`); raises LoRAError, serving what it served before, if it cannot."""
+        if name in self.numbers and not replace:
+            raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+        adapter = load_adapter(name, Path(path), self.max_rank, self.dtype)
+        self._last_number += 1
+        number = self._last_number
+        try:
+            for module, delta in adapter.deltas.items():
+                layer, part = self._layer(module)
+                layer.add(number, part, LoRADelta(delta.a.to(self.device), delta.b.to(self.device)))
+        except LoRAError:
+            self._drop(number)
+            raise
+        if name in self.numbers:
+            self.retiring.add(self.numbers[name])
+        self.numbers[name], self.ranks[name] = number, adapter.rank
+        self.paths = {**self.paths, name: str(path)}
+
+    def unload(self, name: str) -> None:
+        """Stop serving `name` to new requests; raises KeyError if it is not served."""
+        self.retiring.add(self.numbers.pop(name))
+        del self.ranks[name]
+        self.paths = {other: path for other, path in self.paths.items() if other != name}
+
+    def resolve(self, name: str | None) -> int:
+        """The number of the load a new request of adapter `name` runs (0: the base model);
+        raises InvalidRequestError if `name` is no longer served (unloaded since validation)."""
+        if name is None:
+            return 0
+        if name not in self.numbers:
+            raise InvalidRequestError(f"LoRA adapter {name!r} has been unloaded", "lora")
+        return self.numbers[name]
+
+    def drop_retired(self, requests: Iterable[Request]) -> None:
+        """Free the terms of every retired load that none of `requests` (all unfinished) runs."""
+        if not self.retiring:
+            return
+        unused = self.retiring - {request.lora for request in requests}
+        for number in unused:
+            self._drop(number)
+        self.retiring -= unused
+
+    def set_step(self, rows: Sequence[tuple[int, int]], kept: Tensor | None) -> None:
+        """Before a forward: each request of the step as (its load's number, 0 for the base
+        model; its number of rows); `kept`: the rows the last layer keeps
+        (engine/kept_rows.py), if any."""
+        if not any(number for number, _ in rows):  # a base-model step: no row map to build
             self.batch.clear()
             return
-        indices = torch.tensor([self.index[lora] if lora else 0 for lora, _ in rows])
-        token_adapters = torch.repeat_interleave(indices, torch.tensor([n for _, n in rows]))
+        numbers = torch.tensor([number for number, _ in rows])
+        token_adapters = torch.repeat_interleave(numbers, torch.tensor([n for _, n in rows]))
         self.batch.set(token_adapters, None if kept is None else kept.cpu())
 
-    def _layer(self, model: nn.Module, module: str) -> tuple[LoRALinear, int]:
+    def _drop(self, number: int) -> None:
+        for module in self.model.modules():
+            if isinstance(module, LoRALinear):
+                module.remove(number)
+
+    def _layer(self, module: str) -> tuple[LoRALinear, int]:
         """The wrapper computing `module` (wrapping it on first use), and the part it is there."""
         parent_path, _, leaf = module.rpartition(".")
         try:
-            parent = model.get_submodule(parent_path)
+            parent = self.model.get_submodule(parent_path)
         except AttributeError:
             raise LoRAError(f"LoRA target {module} is not in the model") from None
         # A projection the CPU swaps fused is a part (an output slice) of the fused one; a
@@ -191,22 +251,24 @@ class LoRAAdapters:
 
 def check_lora(name: str | None, adapters: LoRAAdapters | None) -> None:
     """Raises InvalidRequestError (param `lora`) unless `name` is None or a served adapter."""
-    if name is not None and (adapters is None or name not in adapters.index):
-        served = ", ".join(adapters.index) if adapters else "none (--lora-modules)"
-        raise InvalidRequestError(f"no LoRA adapter {name!r}; served: {served}", "lora")
+    if name is not None and (adapters is None or name not in adapters.paths):
+        served = ", ".join(adapters.paths) if adapters else "none (--enable-lora)"
+        raise InvalidRequestError(f"no LoRA adapter {name!r}; served: {served or 'none'}", "lora")
 
 
 def load_lora_adapters(config: ModelConfig, model: nn.Module) -> LoRAAdapters | None:
-    """The adapters `config` serves, wrapped into `model`; None without any."""
+    """The adapters `config` serves, wrapped into `model` (none yet where adapters are only
+    loaded at run time); None without --enable-lora."""
     if any(isinstance(module, LoRALinear) for module in model.modules()):
         # Its wrappers follow another engine's steps: they would add terms to the wrong rows.
         raise LoRAError("this model object already serves another engine's LoRA adapters")
-    if not config.lora_adapters:
+    if not config.enable_lora:
         return None
-    modules = {name: Path(path) for name, path in config.lora_adapters.items()}
-    adapters = LoRAAdapters(model, modules, config.max_lora_rank)
-    ranks = adapters.ranks
-    logger.info("LoRA adapters: %s", ", ".join(f"{name} (rank {ranks[name]})" for name in ranks))
+    adapters = LoRAAdapters(model, config.max_lora_rank)
+    for name, path in config.lora_adapters.items():
+        adapters.load(name, Path(path))
+    served = ", ".join(f"{name} (rank {rank})" for name, rank in adapters.ranks.items())
+    logger.info("LoRA adapters: %s", served or "none yet")
     return adapters
 
 

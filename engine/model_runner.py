@@ -145,8 +145,8 @@ class PreparedBatch:
     # [num_sampling_rows + num_prompt_logprob_rows]: see `_logits_indices`
     logits_indices: Tensor
     kept: KeptRows | None = None  # where the last layer computes only the logits rows
-    # Per sequence (plan order): its LoRA adapter (None: the base model) and its number of rows.
-    lora_rows: tuple[tuple[str | None, int], ...] = ()
+    # Per sequence (plan order): its LoRA adapter's load (0: the base model), its number of rows.
+    lora_rows: tuple[tuple[int, int], ...] = ()
 
 
 class ModelRunner:
@@ -160,7 +160,7 @@ class ModelRunner:
         model_config: ModelConfig | None = None,
     ) -> None:
         self.model = model
-        # LoRA adapters (model_config.lora_modules), wrapped into the model after the CPU swaps.
+        # LoRA adapters (--enable-lora), wrapped into the model after the CPU swaps.
         self.lora = load_lora_adapters(model_config, model) if model_config else None
         self.cache_engine = cache_engine
         self.backend = backend
@@ -247,7 +247,7 @@ class ModelRunner:
         return self.forward(self.prepare(plan))
 
 
-def _lora_rows(plan: SchedulerOutput) -> tuple[tuple[str | None, int], ...]:
+def _lora_rows(plan: SchedulerOutput) -> tuple[tuple[int, int], ...]:
     return tuple((scheduled.lora, scheduled.num_new_tokens) for scheduled in plan.requests)
 
 

@@ -8,12 +8,15 @@ turns them into JSON without importing `scheduler` or `cache`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedserve.cache.block_manager import BlockManagerSnapshot
+from pagedserve.engine.errors import RequestFailedError
 from pagedserve.engine.outputs import EngineStats
 from pagedserve.scheduler import Scheduler, SchedulerOutput
 from pagedserve.scheduler.snapshot import (
@@ -23,6 +26,11 @@ from pagedserve.scheduler.snapshot import (
     snapshot_plan,
     snapshot_scheduler,
 )
+
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
 
 # A block is "free" (nothing in it worth keeping), "cached" (free, but its hash is registered:
 # a request with the same prefix revives it instead of recomputing) or "in_use" (ref_count > 0).
@@ -99,6 +107,18 @@ def take_raw_state(
         last_plan=None if last_plan is None else snapshot_plan(last_plan, token_budget),
         stats=stats,
     )
+
+
+def take_engine_state(engine: LLMEngine) -> RawEngineState:
+    """`take_raw_state` of `engine`. A failure (a bug) must not stop serving: it is logged and
+    raised as a RequestFailedError, whose message names only its type."""
+    try:
+        return take_raw_state(engine.scheduler, engine.last_plan, engine.num_steps, engine.stats())
+    except Exception as error:  # noqa: BLE001
+        logger.exception("engine state snapshot failed")
+        raise RequestFailedError(
+            f"The engine state snapshot failed ({type(error).__name__})."
+        ) from None
 
 
 def build_engine_state(raw: RawEngineState) -> EngineState:

@@ -24,7 +24,7 @@ class ScheduledRequest:
     # Offsets into token_ids whose logits score the next prompt token (prompt logprobs): row i
     # yields the logprob of prompt token start_position + i + 1.
     prompt_logprob_rows: range = range(0)
-    lora: str | None = None  # the LoRA adapter its tokens run (engine/lora.py); None: the base
+    lora: int = 0  # the LoRA adapter load its tokens run (engine/lora.py); 0: the base model
 
     @property
     def slot_mapping(self) -> list[int]:

@@ -60,6 +60,7 @@ class Request:
     # included). Unlike num_computed_tokens it survives preemption, so no row is sent twice.
     needs_prompt_logprobs: bool = False
     num_prompt_logprob_tokens: int = 0
+    lora: int = 0  # the number of the LoRA adapter's load it runs (engine/lora.py); 0: the base
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -98,9 +99,10 @@ class Request:
     def cache_salt(self) -> Hashable:
         """Mixed into every block hash of this request's prefix chain: only requests with the
         same salt share cached blocks (vLLM's cache_salt; None: the shared cache). A LoRA
-        adapter's K/V differ from the base model's: its requests share only among themselves."""
-        salt, lora = self.sampling_params.cache_salt, self.sampling_params.lora
-        return salt if lora is None else ("lora", lora, salt)
+        adapter's K/V differ from the base model's: the requests of one load of an adapter share
+        only among themselves."""
+        salt = self.sampling_params.cache_salt
+        return salt if not self.lora else ("lora", self.lora, salt)
 
     @property
     def max_cached_tokens(self) -> int | None:

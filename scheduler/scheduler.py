@@ -271,7 +271,7 @@ class Scheduler:
             needs_sample=end == request.num_tokens and request.sampling_params.max_tokens > 0,
             draft_token_ids=drafts,
             prompt_logprob_rows=request.prompt_logprob_rows(start, end),
-            lora=request.sampling_params.lora,
+            lora=request.lora,
         )
 
     # ---- after the forward pass ------------------------------------------------------------

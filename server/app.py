@@ -24,6 +24,7 @@ from pagedserve.server.routes import (
     chat,
     completions,
     engine_state,
+    lora,
     models,
     router_support,
     system,
@@ -74,6 +75,8 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
     app.state.config, app.state.engine = config, engine
     for family in (completions, chat, models, tokenize, system, router_support, engine_state):
         app.include_router(family.router)
+    if config.model.allow_runtime_lora_updating:
+        app.include_router(lora.router)
     install_exception_handlers(app)
     # Added innermost first: CORS (outermost, when on) -> context -> auth -> body limit -> app,
     # so that unauthenticated clients are turned away before their body is read.

@@ -8,7 +8,7 @@ threads ("Already borrowed"), and one prompt takes well under a millisecond per 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,14 +27,12 @@ class Prompt:
     text: str  # as given, or decoded from the ids (what `echo` returns)
 
 
-def check_model(
-    requested: str | None, engine: EngineClient, adapters: Collection[str] = ()
-) -> str | None:
-    """Raises 404 unless the request names the served model, one of the LoRA `adapters` it
-    serves (--lora-modules), or none; returns that adapter's name (None: the base model)."""
+def check_model(requested: str | None, engine: EngineClient) -> str | None:
+    """Raises 404 unless the request names the served model, one of the LoRA adapters it serves
+    (engine/lora.py), or none; returns that adapter's name (None: the base model)."""
     if requested is None or requested == engine.model_name:
         return None
-    if requested in adapters:
+    if requested in engine.lora_adapters:
         return requested
     raise model_not_found(requested)
 

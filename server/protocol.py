@@ -298,6 +298,17 @@ class DetokenizeRequest(_Options):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(_Request):  # vLLM's, with --allow-runtime-lora-updating
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # replace an adapter of that name (its running requests keep it)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; names are what identify adapters here
+
+
 # --- responses -----------------------------------------------------------------------------------
 
 

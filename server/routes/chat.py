@@ -103,7 +103,7 @@ class _Output:
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     engine = request.app.state.engine
-    lora = check_model(body.model, engine, request.app.state.config.model.lora_adapters)
+    lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
     plan = plan_tools(body, request.app.state.config.server)
     template = TemplateOptions(

@@ -67,7 +67,7 @@ def _engine_prompt_logprobs(body: CompletionRequest) -> int | None:
 @router.post("/v1/completions", response_model=CompletionResponse)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     engine = request.app.state.engine
-    lora = check_model(body.model, engine, request.app.state.config.model.lora_adapters)
+    lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
     _check_supported(body)
     prompts = [

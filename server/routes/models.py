@@ -16,7 +16,7 @@ def _cards(request: Request) -> list[ModelCard]:
     model = ModelCard(
         id=engine.model_name, created=state.started_at, max_model_len=engine.max_model_len
     )
-    adapters = state.config.model.lora_adapters
+    adapters = engine.lora_adapters
     return [model] + [
         model.model_copy(update={"id": name, "root": path, "parent": model.id})
         for name, path in adapters.items()

@@ -26,7 +26,7 @@ router = APIRouter()
 @router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     engine = request.app.state.engine
-    check_model(body.model, engine, request.app.state.config.model.lora_adapters)
+    check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
     if (body.prompt is None) == (body.messages is None):
         raise invalid_request("Give exactly one of 'prompt' and 'messages'.", "prompt")
@@ -69,7 +69,7 @@ def _check_no_chat_controls(body: TokenizeRequest) -> None:
 @router.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     engine = request.app.state.engine
-    check_model(body.model, engine, request.app.state.config.model.lora_adapters)
+    check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
     check_token_ids(body.tokens, engine.vocab_size, "tokens")
     return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))

@@ -252,8 +252,11 @@ def test_lora_modules_are_name_path_pairs_named_once_apart_from_the_model():
         environ={"PAGEDSERVE_ENABLE_LORA": "1", "PAGEDSERVE_LORA_MODULES": "a=/x b=/y"}
     )
     assert from_env.model.lora_adapters == {"a": "/x", "b": "/y"}
+    runtime = {"PAGEDSERVE_ENABLE_LORA": "1", "PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+    assert load_engine_config(environ=runtime).model.allow_runtime_lora_updating
     for settings, message in [
-        ({"lora_modules": ["sql=/a"]}, "needs enable_lora"),
+        ({"lora_modules": ["sql=/a"]}, "need enable_lora"),
+        ({"allow_runtime_lora_updating": True}, "need enable_lora"),
         ({"enable_lora": True, "lora_modules": ["sql=/a", "sql=/b"]}, "each name once"),
         ({"enable_lora": True, "lora_modules": ["sql"]}, "name=path"),
         ({"enable_lora": True, "lora_modules": ["m=/a"], "served_model_name": "m"}, "unreachable"),

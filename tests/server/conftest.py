@@ -99,6 +99,8 @@ class FakeEngine:
         self.script = ""  # when set, every choice writes this text (ASCII) instead of letters
         self.num_cached_prompt_tokens = 0  # what each prompt's final deltas report
         self.sampling_defaults: dict[str, float | int] = {}  # the model's generation config's
+        self.lora_adapters: dict[str, str] = {}  # name -> folder, as AsyncEngine's
+        self.lora_failure: Exception | None = None  # what the next load raises
 
     async def start(self) -> None:
         self.started = True
@@ -122,6 +124,16 @@ class FakeEngine:
             num_generation_tokens=5,
             num_structured_requests=2,
         )
+
+    async def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> None:
+        if self.lora_failure is not None:
+            raise self.lora_failure
+        self.lora_adapters = {**self.lora_adapters, name: path}
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        if name not in self.lora_adapters:
+            raise KeyError(name)
+        self.lora_adapters = {key: path for key, path in self.lora_adapters.items() if key != name}
 
     def drain_step_token_counts(self) -> list[int]:
         return [3, 1]
