@@ -178,7 +178,7 @@ class LoRAAdapters:
             for module, delta in adapter.deltas.items():
                 layer, part = self._layer(module)
                 layer.add(number, part, LoRADelta(delta.a.to(self.device), delta.b.to(self.device)))
-        except LoRAError:
+        except BaseException:  # also out of memory: no term of a half-made load stays behind
             self._drop(number)
             raise
         if name in self.numbers:

@@ -25,7 +25,8 @@ router = APIRouter()
 
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> str:
-    engine, name, path = request.app.state.engine, body.lora_name, body.lora_path
+    engine, name = request.app.state.engine, body.lora_name
+    path = str(Path(body.lora_path).expanduser()) if body.lora_path else body.lora_path
     if not name or not path:
         raise invalid_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
     if name == engine.model_name:

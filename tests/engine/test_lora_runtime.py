@@ -166,3 +166,20 @@ def test_the_async_engine_loads_and_frees_on_its_thread(engine, weights, default
     reference = _reference(default_hf_model, weights["v1"][1], prompt)
     assert_matches_reference(token_ids, reference, "loaded at run time")
     assert held == set()  # freed after the request's last step
+
+
+def test_a_load_that_fails_for_any_reason_leaves_no_terms_behind(engine, weights, monkeypatch):
+    adapters = engine.runner.lora
+    calls = []
+    original = LoRALinear.add
+
+    def add_until_memory_runs_out(self, adapter, part, delta):
+        calls.append(adapter)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("injected")
+        original(self, adapter, part, delta)
+
+    monkeypatch.setattr(LoRALinear, "add", add_until_memory_runs_out)
+    with pytest.raises(torch.OutOfMemoryError):
+        adapters.load("sql", weights["v1"][0])
+    assert _loads_held(engine) == set() and adapters.paths == {}
