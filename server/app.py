@@ -26,6 +26,7 @@ from pagedserve.server.routes import (
     engine_state,
     lora,
     models,
+    responses,
     router_support,
     system,
     tokenize,
@@ -73,7 +74,8 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
     # strict_content_type=False: a JSON body without a Content-Type header is still parsed.
     app = FastAPI(title="pagedserve", lifespan=_lifespan, strict_content_type=False)
     app.state.config, app.state.engine = config, engine
-    for family in (completions, chat, models, tokenize, system, router_support, engine_state):
+    families = (completions, chat, responses, models, tokenize, system, router_support)
+    for family in (*families, engine_state):
         app.include_router(family.router)
     if config.model.allow_runtime_lora_updating:
         app.include_router(lora.router)

@@ -102,6 +102,54 @@ class _Output:
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    run = await start_chat(body, request)
+    if body.stream:
+        # "usage": null in a chunk only when usage is asked for
+        exclude = None if body.include_usage else {"usage"}
+        chunks = (chunk.model_dump_json(exclude=exclude) async for chunk in run.chunks())
+        return EventStreamResponse(sse_events(chunks))
+    return JSONResponse((await run.response()).model_dump())
+
+
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request queued in the engine: its reply as OpenAI's chunks (streamed) or as one
+    response. The Responses API (server/responses.py) renders its answers from the chunks."""
+
+    stream: AsyncIterator[Item]
+    header: dict[str, Any]  # id, created, model
+    output: _Output
+    choices: list[ChatChoiceText]
+    recorder: RequestRecorder
+    body: ChatCompletionRequest
+
+    def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
+        body = self.body
+        # continuous_usage_stats: each chunk carries its choice's usage so far (none yet at first)
+        num_prompt_tokens = sum(self.recorder.prompt_lengths)
+        usage = (
+            UsageInfo(prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens)
+            if body.continuous_usage
+            else None
+        )
+        return _stream_chunks(
+            self.stream, self.header, self.output, self.choices, self.recorder,
+            body.include_usage, usage,
+        )  # fmt: skip
+
+    async def response(self) -> ChatCompletionResponse:
+        return await _collect(
+            self.stream,
+            self.header,
+            self.output,
+            self.choices,
+            self.recorder,
+            self.body.prompt_logprobs,
+        )
+
+
+async def start_chat(body: ChatCompletionRequest, request: Request) -> ChatRun:
+    """Check `body`, render its prompt and queue it (an APIError, nothing queued, if invalid)."""
     engine = request.app.state.engine
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
@@ -184,20 +232,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         _echo(body),
         body.include_reasoning,
     )
-    if body.stream:
-        # continuous_usage_stats: each chunk carries its choice's usage so far (none yet at first)
-        num_prompt_tokens = len(prompt.token_ids)
-        usage = (
-            UsageInfo(prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens)
-            if body.continuous_usage
-            else None
-        )
-        chunks = _stream_chunks(
-            stream, header, output, choices, recorder, body.include_usage, usage
-        )
-        return EventStreamResponse(sse_events(chunks))
-    response = await _collect(stream, header, output, choices, recorder, body.prompt_logprobs)
-    return JSONResponse(response.model_dump())
+    return ChatRun(stream, header, output, choices, recorder, body)
 
 
 def _check_hidden_reasoning(
@@ -250,18 +285,15 @@ async def _stream_chunks(
     recorder: RequestRecorder,
     include_usage: bool,
     usage: UsageInfo | None = None,
-) -> AsyncIterator[str]:
-    exclude = None if include_usage else {"usage"}  # "usage": null only when usage is asked for
-
-    def chunk(index: int, delta: ChatDelta, first: bool = False, **fields: Any) -> str:
+) -> AsyncIterator[ChatCompletionChunk]:
+    def chunk(
+        index: int, delta: ChatDelta, first: bool = False, **fields: Any
+    ) -> ChatCompletionChunk:
         choice = ChatChunkChoice(index=index, delta=delta, **fields)
         prompt = {"prompt_token_ids": output.prompt_token_ids, "prompt_text": output.prompt_text}
         return ChatCompletionChunk(
-            **header,
-            choices=[choice],
-            usage=usage,
-            **(prompt if first else {}),
-        ).model_dump_json(exclude=exclude)
+            **header, choices=[choice], usage=usage, **(prompt if first else {})
+        )
 
     async with aclosing(stream):
         for index in range(len(choices)):  # OpenAI's first chunk of every choice: the role
@@ -295,7 +327,7 @@ async def _stream_chunks(
             if finish_reason is not None:
                 yield chunk(delta.index, ChatDelta(), finish_reason=finish_reason)
     if include_usage:
-        yield ChatCompletionChunk(**header, choices=[], usage=recorder.usage()).model_dump_json()
+        yield ChatCompletionChunk(**header, choices=[], usage=recorder.usage())
 
 
 async def _collect(

@@ -31,7 +31,7 @@ FUZZ_SECONDS = float(os.environ.get("PAGEDSERVE_FUZZ_SECONDS", "30"))
 MAX_EXAMPLES = 5000  # the time budget, not this, is what normally ends the run
 MAX_GENERATED_TOKENS = 2  # keeps each accepted request to a couple of decode steps on a CPU
 MAX_PROMPTS = 3
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 class _TimeIsUp(BaseException):
@@ -44,7 +44,12 @@ def _keep_it_cheap(path: str, body: Any) -> Any:
     if path not in GENERATION_PATHS or not isinstance(body, dict):
         return body
     body = dict(body)
-    for name in ("max_tokens", "max_completion_tokens"):
+    names = (
+        ("max_output_tokens",)
+        if path == "/v1/responses"
+        else ("max_tokens", "max_completion_tokens")
+    )
+    for name in names:
         value = body.get(name)
         if value is None or (type(value) is int and value > MAX_GENERATED_TOKENS):
             body[name] = MAX_GENERATED_TOKENS  # absent means "the whole context" for chat
@@ -57,12 +62,19 @@ def _keep_it_cheap(path: str, body: Any) -> Any:
         body["prompt"] = prompt[:MAX_PROMPTS]
     if isinstance(body.get("messages"), list):
         body["messages"] = body["messages"][:4]
+    if isinstance(body.get("input"), list):
+        body["input"] = body["input"][:4]
     return body
 
 
 def _check_success(response: httpx.Response) -> None:
     assert_no_stack_trace(response.text)
     if response.headers.get("content-type", "").startswith("text/event-stream"):
+        if response.request.url.path == "/v1/responses":  # typed events, no [DONE] (OpenAI's)
+            data = [line for line in response.text.splitlines() if line.startswith("data: ")]
+            last = json.loads(data[-1].removeprefix("data: "))
+            assert last["type"] in ("response.completed", "response.incomplete"), last
+            return
         events, done = parse_sse(response.text.splitlines())
         assert done, response.text[-500:]
         assert not [event for event in events if "error" in event], response.text[-1000:]

@@ -169,7 +169,32 @@ def test_a_tool_result_follow_up_is_accepted_and_answered(client, model_name):
     assert follow_up.message.content
 
 
-def test_agents_sdk_runs_a_turn_with_a_function_tool(server, model_name):
+def test_the_responses_api_answers_as_chat_does(client, model_name):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    chat = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=12, temperature=0
+    )
+    response = client.responses.create(
+        model=model_name, input=messages, max_output_tokens=12, temperature=0
+    )
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == (
+        "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
+    )
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    events = list(
+        client.responses.create(
+            model=model_name, input=messages, max_output_tokens=12, temperature=0, stream=True
+        )
+    )
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert deltas == response.output_text
+    assert events[-1].response.output_text == response.output_text
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_agents_sdk_runs_a_turn_with_a_function_tool(server, model_name, api):
     agents = pytest.importorskip("agents")  # the test extra installs it
     agents.set_tracing_disabled(True)
     cities: list[str] = []
@@ -180,7 +205,12 @@ def test_agents_sdk_runs_a_turn_with_a_function_tool(server, model_name):
         cities.append(city)
         return f"The weather in {city} is sunny and 22 degrees."
 
-    model = agents.OpenAIChatCompletionsModel(
+    # The SDK's default model speaks the Responses API (/v1/responses); the other, chat.
+    model_class = {
+        "chat": agents.OpenAIChatCompletionsModel,
+        "responses": agents.OpenAIResponsesModel,
+    }[api]
+    model = model_class(
         model=model_name,
         openai_client=openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused"),
     )

@@ -1,0 +1,102 @@
+"""POST /v1/responses: OpenAI's Responses API (as vLLM serves it), answered by the chat route
+(server/responses.py translates both ways). Streamed, it sends OpenAI's typed events
+(`event: <type>` then its JSON), from `response.created` to `response.completed` (or
+`response.incomplete`, or `response.failed` if the engine fails the request after the stream
+began); whole, the response object."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedserve.server.errors import APIError, ClientDisconnectedError, to_api_error
+from pagedserve.server.request_fields import check_request_fields
+from pagedserve.server.responses import (
+    RESPONSES_PARAM,
+    ResponseBuilder,
+    response_events,
+    to_chat_request,
+)
+from pagedserve.server.responses_protocol import ResponseObject, ResponsesRequest
+from pagedserve.server.routes.chat import start_chat
+from pagedserve.server.streams import EventStreamResponse
+
+router = APIRouter()
+
+
+@router.post("/v1/responses", response_model=ResponseObject)
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    check_request_fields(body, request.state.request_id)
+    try:
+        run = await start_chat(to_chat_request(body), request)
+    except APIError as error:  # named as this API names the parameter
+        error.param = RESPONSES_PARAM.get(error.param or "", error.param)
+        for chat_name in ("max_completion_tokens", "response_format"):
+            error.message = error.message.replace(chat_name, RESPONSES_PARAM[chat_name])
+        raise
+    builder = ResponseBuilder(_response(body, request, run.header["model"]))
+    events = response_events(builder, run.chunks())
+    if body.stream:
+        return EventStreamResponse(_sse(builder, events))
+    async with aclosing(events):
+        async for _ in events:
+            pass
+    return JSONResponse(builder.response.model_dump())
+
+
+def _response(body: ResponsesRequest, request: Request, model: str) -> ResponseObject:
+    """The response object before any output: the request's settings, as OpenAI echoes them."""
+    defaults = request.app.state.engine.sampling_defaults
+    return ResponseObject(
+        id=f"resp_{request.state.request_id}",
+        created_at=request.state.created,
+        status="in_progress",
+        model=model,
+        instructions=body.instructions,
+        max_output_tokens=body.max_output_tokens,
+        temperature=_first(body.temperature, defaults.get("temperature"), 1.0),
+        top_p=_first(body.top_p, defaults.get("top_p"), 1.0),
+        top_logprobs=body.top_logprobs,
+        tools=[tool.model_dump(exclude_none=True) for tool in body.tools or []],
+        tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+        parallel_tool_calls=body.parallel_tool_calls,
+        text=_text_config(body),
+        reasoning=body.reasoning.model_dump(exclude_none=True) if body.reasoning else None,
+        truncation=body.truncation,
+        metadata=body.metadata or {},
+        user=body.user,
+    )
+
+
+def _text_config(body: ResponsesRequest) -> dict[str, Any]:
+    given = body.text.model_dump(exclude_none=True, by_alias=True) if body.text else {}
+    return {"format": {"type": "text"}} | given
+
+
+def _first(*values: Any) -> Any:
+    return next(value for value in values if value is not None)
+
+
+async def _sse(
+    builder: ResponseBuilder, events: AsyncIterator[dict[str, Any]]
+) -> AsyncIterator[str]:
+    """OpenAI's framing: each event's type on an `event:` line, then its JSON. A failure after
+    the stream began ends it with `response.failed`, carrying the error."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield _frame(event)
+    except ClientDisconnectedError:
+        return  # nobody is listening any more
+    except Exception as exc:
+        error = to_api_error(exc)
+        yield _frame(builder.fail(error.code or error.type, error.message))
+
+
+def _frame(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"

@@ -1,0 +1,249 @@
+"""POST /v1/responses with the fake engine: the request reaches the engine as the equivalent chat
+request (instructions, items, tools, text formats, reasoning effort), the chat route's output
+comes back as OpenAI's output items (a message, reasoning, function calls) with usage, streamed as
+OpenAI's typed events whose deltas rebuild the final response, and what the server cannot serve
+is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from pagedserve.engine.errors import RequestFailedError
+from tests.server.conftest import FakeEngine
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "P"}}</tool_call>'
+
+
+def _events(text: str) -> list[dict[str, Any]]:
+    """The streamed events; each `event:` line names its JSON's type."""
+    events = []
+    for block in text.strip().split("\n\n"):
+        kind, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}"
+        events.append(event)
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    return events
+
+
+def _respond(client, **body: Any):
+    return client.post("/v1/responses", json={"input": "hi"} | body)
+
+
+def _prompt(engine: FakeEngine) -> str:
+    return bytes(engine.requests[-1][1]).decode()
+
+
+def test_a_string_input_gets_a_message_and_usage(client, engine: FakeEngine):
+    response = _respond(client, max_output_tokens=20)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "response" and body["id"].startswith("resp_")
+    assert body["status"] == "completed" and body["store"] is False
+    [message] = body["output"]
+    assert message["type"] == "message" and message["role"] == "assistant"
+    assert message["status"] == "completed" and message["id"].startswith("msg_")
+    assert message["content"] == [
+        {"type": "output_text", "text": "abcdefgh", "annotations": [], "logprobs": []}
+    ]
+    usage = body["usage"]
+    assert usage["output_tokens"] == 9  # eight letters and EOS
+    assert usage["total_tokens"] == usage["input_tokens"] + 9
+    assert usage["output_tokens_details"] == {"reasoning_tokens": 0}
+    assert _prompt(engine) == "<user>hi\n<assistant>"
+    assert engine.requests[-1][2].max_tokens == 20
+
+
+def test_hitting_max_output_tokens_makes_the_response_incomplete(client):
+    body = _respond(client, max_output_tokens=3).json()
+    assert body["status"] == "incomplete"
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["output"][0]["content"][0]["text"] == "abc"
+
+
+@pytest.fixture
+def tool_client(client_with, engine: FakeEngine):
+    engine.max_model_len = 2048
+    return client_with(enable_auto_tool_choice=True, tool_call_parser="hermes")
+
+
+def test_instructions_and_items_become_the_chat_conversation(tool_client, engine: FakeEngine):
+    client = tool_client
+    items = [
+        {"role": "developer", "content": "be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "hello"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},  # earlier reasoning: dropped
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "22C"},
+    ]
+    response = _respond(client, instructions="You help.", input=items, tools=[WEATHER])
+    assert response.status_code == 200, response.text
+    prompt = _prompt(engine)
+    assert prompt.startswith("<system>You help.\n\nYou are a function calling AI model.")
+    assert prompt.endswith(
+        "<system>be brief\n<user>hi\n<assistant>hello\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {}}\n</tool_call>\n'
+        "<tool><tool_response>\n22C\n</tool_response>\n<assistant>"
+    )
+
+
+def test_sampling_fields_text_formats_and_reasoning_effort_reach_the_engine(
+    client, engine: FakeEngine
+):
+    engine.max_model_len = 2048
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    text = {"format": {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}}
+    response = _respond(
+        client, temperature=0.5, top_p=0.9, top_k=3, seed=7, text=text, reasoning={"effort": "low"}
+    )
+    assert response.status_code == 200, response.text
+    params = engine.requests[-1][2]
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.5, 0.9, 3, 7)
+    assert params.structured_outputs.kind == "json"
+    assert json.loads(params.structured_outputs.spec) == schema
+    assert _prompt(engine).startswith("[enable_thinking=True][reasoning_effort=low]")
+    body = response.json()
+    assert body["text"]["format"]["schema"] == schema and body["temperature"] == 0.5
+    assert body["reasoning"] == {"effort": "low"}
+    _respond(client, text={"format": {"type": "json_object"}})
+    assert engine.requests[-1][2].structured_outputs.kind == "json_object"
+
+
+def test_logprobs_come_with_the_text_when_included(client):
+    include = ["message.output_text.logprobs"]
+    body = _respond(client, include=include, top_logprobs=1, max_output_tokens=2).json()
+    [part] = body["output"][0]["content"]
+    assert [entry["token"] for entry in part["logprobs"]] == ["a", "b"]
+    assert all(len(entry["top_logprobs"]) == 1 for entry in part["logprobs"])
+
+
+def test_a_function_call_becomes_an_output_item(tool_client, engine: FakeEngine):
+    client = tool_client
+    engine.script = CALL
+    body = _respond(client, tools=[WEATHER], max_output_tokens=len(CALL) + 1).json()
+    [call] = body["output"]
+    assert call["type"] == "function_call" and call["status"] == "completed"
+    assert call["id"].startswith("fc_") and call["call_id"].startswith("call_")
+    assert (call["name"], call["arguments"]) == ("get_weather", '{"city": "P"}')
+    assert body["tools"] == [WEATHER] and body["status"] == "completed"
+    forced = _respond(client, tools=[WEATHER], tool_choice={"type": "function", "name": "x"})
+    assert forced.status_code == 400 and "x" in forced.json()["error"]["message"]
+
+
+def test_reasoning_comes_as_its_own_item_and_counts_its_tokens(client_with, engine: FakeEngine):
+    client = client_with(reasoning_parser="qwen3")
+    engine.script = "<think>hmm</think>yes"
+    body = _respond(client, max_output_tokens=40).json()
+    reasoning, message = body["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "hmm"}]
+    assert message["content"][0]["text"] == "yes"
+    assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == len("<think>hmm")
+
+
+@pytest.mark.parametrize(
+    ("settings", "script", "body"),
+    [
+        ({}, "", {}),
+        ({"reasoning_parser": "qwen3"}, "<think>hmm</think>yes", {}),
+        (
+            {"enable_auto_tool_choice": True, "tool_call_parser": "hermes"},
+            "ok" + CALL + CALL.replace('"P"', '"Q"'),
+            {"tools": [WEATHER]},
+        ),
+    ],
+    ids=["text", "reasoning", "calls"],
+)
+def test_streamed_events_rebuild_the_final_response(
+    client_with, engine: FakeEngine, settings, script, body
+):
+    client = client_with(**settings)
+    engine.script, engine.max_model_len = script, 2048
+    whole = _respond(client, **body)
+    assert whole.status_code == 200, whole.text
+    whole = whole.json()
+    events = _events(_respond(client, stream=True, **body).text)
+    kinds = [event["type"] for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    final = events[-1]["response"]
+    assert final["usage"] == whole["usage"]
+    rebuilt: dict[str, str] = {}  # item id -> its text or arguments, from the deltas
+    for event in events:
+        if event["type"].endswith(".delta"):
+            rebuilt[event["item_id"]] = rebuilt.get(event["item_id"], "") + event["delta"]
+    outputs = [_strip_ids(item) for item in final["output"]]
+    assert outputs == [_strip_ids(item) for item in whole["output"]]
+    for index, item in enumerate(final["output"]):
+        text = item.get("arguments", None)
+        if text is None:
+            text = item["content"][0]["text"]
+        assert rebuilt[item["id"]] == text
+        added = next(e for e in events if e["type"] == "response.output_item.added" and
+                     e["output_index"] == index)  # fmt: skip
+        done = next(e for e in events if e["type"] == "response.output_item.done" and
+                    e["output_index"] == index)  # fmt: skip
+        assert added["item"]["id"] == item["id"] and done["item"] == item
+        assert kinds.index("response.output_item.added") < kinds.index("response.output_item.done")
+
+
+def _strip_ids(item: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in item.items() if key not in ("id", "call_id")}
+
+
+def test_a_failure_after_the_stream_began_ends_it_with_response_failed(client, engine):
+    engine.fail_after_first_delta = RequestFailedError("the engine failed this request")
+    events = _events(_respond(client, stream=True).text)
+    assert events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["status"] == "failed"
+    assert events[-1]["response"]["error"]["message"] == "the engine failed this request"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input",
+            "reads no 'input_image'",
+        ),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference'"),
+        ({"input": [{"type": "function_call", "name": "f"}]}, "input", "call_id"),
+        ({"input": []}, "input", "no message"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+        ({"background": True}, "background", "background"),
+        ({"include": ["nonsense"]}, "include", "unknown value"),
+        ({"top_logprobs": 2}, "top_logprobs", "include"),
+        ({"max_output_tokens": 10_000}, "max_output_tokens", "max_output_tokens"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "schema"),
+        ({"tool_choice": {"type": "allowed_tools"}}, "tool_choice", "tool_choice"),
+        ({"text": {"verbosity": "high"}}, "text", "verbosity"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt", "not supported"),
+        ({"temperature": -1}, "temperature", "temperature"),
+        ({"input": 5}, "input", "input"),
+    ],
+)
+def test_what_cannot_be_served_is_a_400_naming_the_field(client, body, param, says):
+    response = _respond(client, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert says in error["message"] and (error["param"] or "").startswith(param), error
+
+
+def test_an_unknown_model_is_a_404(client):
+    assert _respond(client, model="nope").status_code == 404
