@@ -257,6 +257,13 @@ class ServerConfig(_Section):
         description="return a thinking model's <think> part as the chat message's `reasoning` "
         "(as vLLM's; default: none, it stays in the content)",
     )
+    responses_store_size: int = Field(
+        1000,
+        ge=0,
+        description="responses kept in memory for the Responses API's previous_response_id and "
+        "GET /v1/responses/{id} (store: true, OpenAI's default); the oldest are forgotten "
+        "first; 0 keeps none (store is then answered false, as vLLM's default)",
+    )
     # The state lists request ids and block tables (no text): fine on a loopback bind, a choice to
     # make on a public one.
     enable_engine_state: bool | None = Field(

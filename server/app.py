@@ -20,6 +20,7 @@ from pagedserve.server.middleware import (
     BodyLimitMiddleware,
     RequestContextMiddleware,
 )
+from pagedserve.server.response_store import ResponseStore
 from pagedserve.server.routes import (
     chat,
     completions,
@@ -74,6 +75,7 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
     # strict_content_type=False: a JSON body without a Content-Type header is still parsed.
     app = FastAPI(title="pagedserve", lifespan=_lifespan, strict_content_type=False)
     app.state.config, app.state.engine = config, engine
+    app.state.response_store = ResponseStore(config.server.responses_store_size)
     families = (completions, chat, responses, models, tokenize, system, router_support)
     for family in (*families, engine_state):
         app.include_router(family.router)

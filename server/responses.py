@@ -4,9 +4,8 @@ items and events (`ResponseBuilder`), streamed or collected into one response ob
 
 What a chat request can express is served; the rest is a 400 naming the field rather than an
 answer that ignores it: hosted tools (web search, file search...), images and files in the input,
-stored responses (`previous_response_id`; `store` is answered false, nothing is kept), and
-background runs. Earlier reasoning items in `input` are dropped, as chat templates drop earlier
-turns' reasoning.
+and background runs. Earlier reasoning items in `input` are dropped, as chat templates drop
+earlier turns' reasoning. Stored responses (`previous_response_id`): server/response_store.py.
 """
 
 from __future__ import annotations
@@ -60,15 +59,20 @@ PASSED_ON = (
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
-def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that computes `body`'s answer, streamed with usage after every chunk (the
-    builder counts reasoning tokens from it). Raises a 400 APIError for what chat cannot do."""
+def to_chat_request(
+    body: ResponsesRequest, history: list[dict[str, Any]], turn: list[dict[str, Any]]
+) -> ChatCompletionRequest:
+    """The chat request that computes `body`'s answer, given the earlier turns' messages
+    (`previous_response_id`) and this turn's (`input_messages`): streamed with usage after every
+    chunk (the builder counts reasoning tokens from it). Raises a 400 APIError for what chat
+    cannot do."""
     _refuse_unservable(body)
     fields: dict[str, Any] = {
         name: getattr(body, name) for name in PASSED_ON if getattr(body, name) is not None
     }
+    instructions = [] if body.instructions is None else [_system(body.instructions)]
     fields |= {
-        "messages": _messages(body),
+        "messages": [*instructions, *history, *turn],
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "logprobs": "message.output_text.logprobs" in (body.include or []),
@@ -95,12 +99,6 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def _refuse_unservable(body: ResponsesRequest) -> None:
-    if body.previous_response_id is not None:
-        raise invalid_request(
-            "previous_response_id: this server stores no responses; send the whole "
-            "conversation as input (store is answered false).",
-            "previous_response_id",
-        )
     if body.background:
         raise invalid_request("background responses are not supported.", "background")
     for entry in body.include or []:
@@ -126,17 +124,42 @@ def _template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
     return kwargs or None
 
 
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
-    if body.instructions is not None:
-        messages.append({"role": "system", "content": body.instructions})
+def _system(text: str) -> dict[str, Any]:
+    return {"role": "system", "content": text}
+
+
+def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """`input` as chat messages (400 for an item that cannot be one)."""
     if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
+        return [{"role": "user", "content": body.input}]
+    messages: list[dict[str, Any]] = []
     for index, item in enumerate(body.input):
         _add_item(messages, item, f"input[{index}]")
     if not messages:
         raise invalid_request("input holds no message.", "input")
     return messages
+
+
+def output_messages(response: ResponseObject) -> list[dict[str, Any]]:
+    """A response's output as the assistant turn a chat template reads back: its text and its
+    calls (reasoning left out, as templates leave earlier reasoning out)."""
+    text = "".join(
+        part.text
+        for item in response.output
+        if isinstance(item, MessageItem)
+        for part in item.content
+    )
+    calls = [
+        {
+            "id": item.call_id,
+            "type": "function",
+            "function": {"name": item.name, "arguments": item.arguments},
+        }
+        for item in response.output
+        if isinstance(item, FunctionCallItem)
+    ]
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+    return [message | ({"tool_calls": calls} if calls else {})]
 
 
 def _add_item(messages: list[dict[str, Any]], item: InputItem, where: str) -> None:

@@ -102,7 +102,7 @@ class ResponsesRequest(_Options):
     reasoning: ReasoningConfig | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
     stream: bool = False
-    store: bool = True  # answered as false: this server keeps no responses
+    store: bool = True  # kept in server/response_store.py (answered false without a store)
     previous_response_id: str | None = None
     background: bool = False
     metadata: dict[str, str] | None = None

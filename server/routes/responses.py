@@ -14,11 +14,19 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.server.errors import APIError, ClientDisconnectedError, to_api_error
+from pagedserve.server.errors import (
+    APIError,
+    ClientDisconnectedError,
+    invalid_request,
+    to_api_error,
+)
 from pagedserve.server.request_fields import check_request_fields
+from pagedserve.server.response_store import ResponseStore, StoredResponse, UnknownResponseError
 from pagedserve.server.responses import (
     RESPONSES_PARAM,
     ResponseBuilder,
+    input_messages,
+    output_messages,
     response_events,
     to_chat_request,
 )
@@ -32,21 +40,87 @@ router = APIRouter()
 @router.post("/v1/responses", response_model=ResponseObject)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     check_request_fields(body, request.state.request_id)
+    store: ResponseStore = request.app.state.response_store
+    history = _history(body, store)
+    turn = input_messages(body)
     try:
-        run = await start_chat(to_chat_request(body), request)
+        run = await start_chat(to_chat_request(body, history, turn), request)
     except APIError as error:  # named as this API names the parameter
         error.param = RESPONSES_PARAM.get(error.param or "", error.param)
         for chat_name in ("max_completion_tokens", "response_format"):
             error.message = error.message.replace(chat_name, RESPONSES_PARAM[chat_name])
         raise
-    builder = ResponseBuilder(_response(body, request, run.header["model"]))
+    response = _response(body, request, run.header["model"])
+    response.store = body.store and store.enabled
+    builder = ResponseBuilder(response)
     events = response_events(builder, run.chunks())
+    if response.store:
+        events = _stored_at_the_end(events, store, builder, turn)
     if body.stream:
         return EventStreamResponse(_sse(builder, events))
     async with aclosing(events):
         async for _ in events:
             pass
     return JSONResponse(builder.response.model_dump())
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject)
+async def retrieve_response(response_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(_stored(request, response_id).response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    _stored(request, response_id)
+    request.app.state.response_store.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _stored(request: Request, response_id: str) -> StoredResponse:
+    try:
+        return request.app.state.response_store.get(response_id)
+    except UnknownResponseError:
+        raise APIError(
+            404, f"Response with id '{response_id}' not found.", param="response_id"
+        ) from None
+
+
+def _history(body: ResponsesRequest, store: ResponseStore) -> list[dict[str, Any]]:
+    """The earlier turns' messages that `previous_response_id` continues (none without it)."""
+    previous = body.previous_response_id
+    if previous is None:
+        return []
+    if not store.enabled:
+        raise invalid_request(
+            "previous_response_id: this server stores no responses (--responses-store-size "
+            "0); send the whole conversation as input.",
+            "previous_response_id",
+        )
+    try:
+        return store.conversation(previous)
+    except UnknownResponseError as error:
+        which = "Previous response" if error.response_id == previous else "A response it continues"
+        raise APIError(
+            404, f"{which} with id '{error.response_id}' not found.", param="previous_response_id"
+        ) from None
+
+
+async def _stored_at_the_end(
+    events: AsyncIterator[dict[str, Any]],
+    store: ResponseStore,
+    builder: ResponseBuilder,
+    turn: list[dict[str, Any]],
+) -> AsyncIterator[dict[str, Any]]:
+    """`events`; once the last has been produced, the response goes into the store (a response
+    that failed or was cut off by its client is not kept)."""
+    async with aclosing(events):
+        async for event in events:
+            yield event
+    response = builder.response
+    messages = (*turn, *output_messages(response))
+    store.put(
+        response.id, StoredResponse(response.model_dump(), response.previous_response_id, messages)
+    )
 
 
 def _response(body: ResponsesRequest, request: Request, model: str) -> ResponseObject:
@@ -68,6 +142,7 @@ def _response(body: ResponsesRequest, request: Request, model: str) -> ResponseO
         text=_text_config(body),
         reasoning=body.reasoning.model_dump(exclude_none=True) if body.reasoning else None,
         truncation=body.truncation,
+        previous_response_id=body.previous_response_id,
         metadata=body.metadata or {},
         user=body.user,
     )

@@ -191,6 +191,21 @@ def test_the_responses_api_answers_as_chat_does(client, model_name):
     deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert deltas == response.output_text
     assert events[-1].response.output_text == response.output_text
+    # Stored (OpenAI's default): retrieved as answered, and continued as the chat it was
+    assert client.responses.retrieve(response.id).output_text == response.output_text
+    follow_up = [{"role": "user", "content": "And one more."}]
+    continued = client.responses.create(
+        model=model_name, input=follow_up, previous_response_id=response.id,
+        max_output_tokens=12, temperature=0,
+    )  # fmt: skip
+    history = [*messages, {"role": "assistant", "content": response.output_text}, *follow_up]
+    chat = client.chat.completions.create(
+        model=model_name, messages=history, max_tokens=12, temperature=0
+    )
+    assert continued.output_text == chat.choices[0].message.content
+    assert client.responses.delete(response.id) is None
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])

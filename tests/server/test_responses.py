@@ -2,7 +2,8 @@
 request (instructions, items, tools, text formats, reasoning effort), the chat route's output
 comes back as OpenAI's output items (a message, reasoning, function calls) with usage, streamed as
 OpenAI's typed events whose deltas rebuild the final response, and what the server cannot serve
-is a 400 naming the field."""
+is a 400 naming the field. Stored responses continue as conversations (previous_response_id),
+within the store's bound."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_a_string_input_gets_a_message_and_usage(client, engine: FakeEngine):
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["object"] == "response" and body["id"].startswith("resp_")
-    assert body["status"] == "completed" and body["store"] is False
+    assert body["status"] == "completed" and body["store"] is True
     [message] = body["output"]
     assert message["type"] == "message" and message["role"] == "assistant"
     assert message["status"] == "completed" and message["id"].startswith("msg_")
@@ -225,7 +226,6 @@ def test_a_failure_after_the_stream_began_ends_it_with_response_failed(client, e
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference'"),
         ({"input": [{"type": "function_call", "name": "f"}]}, "input", "call_id"),
         ({"input": []}, "input", "no message"),
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
         ({"background": True}, "background", "background"),
         ({"include": ["nonsense"]}, "include", "unknown value"),
         ({"top_logprobs": 2}, "top_logprobs", "include"),
@@ -247,3 +247,67 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(client, body, param, sa
 
 def test_an_unknown_model_is_a_404(client):
     assert _respond(client, model="nope").status_code == 404
+
+
+def test_previous_response_id_continues_a_stored_conversation(tool_client, engine: FakeEngine):
+    client = tool_client
+    engine.script = CALL
+    first = _respond(client, instructions="Be brief.", tools=[WEATHER]).json()
+    [call] = first["output"]
+    follow_up = [{"type": "function_call_output", "call_id": call["call_id"], "output": "22C"}]
+    engine.script = "sunny"
+    second = _respond(client, input=follow_up, previous_response_id=first["id"], tools=[WEATHER])
+    assert second.status_code == 200, second.text
+    assert second.json()["previous_response_id"] == first["id"]
+    prompt = _prompt(engine)
+    assert "Be brief." not in prompt  # instructions are not carried over (OpenAI's rule)
+    assert prompt.endswith(
+        "<user>hi\n<assistant><tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "P"}}\n</tool_call>\n'
+        "<tool><tool_response>\n22C\n</tool_response>\n<assistant>"
+    )
+    third = _respond(client, input="and?", previous_response_id=second.json()["id"])
+    assert _prompt(engine).endswith("<assistant>sunny\n<user>and?\n<assistant>")
+    assert third.json()["output"][0]["content"][0]["text"] == "sunny"
+
+
+def test_stored_responses_are_retrieved_and_deleted(client):
+    body = _respond(client).json()
+    streamed = _events(_respond(client, stream=True).text)[-1]["response"]
+    for stored in (body, streamed):
+        response = client.get(f"/v1/responses/{stored['id']}")
+        assert response.status_code == 200 and response.json() == stored
+    deleted = client.delete(f"/v1/responses/{body['id']}")
+    assert deleted.json() == {"id": body["id"], "object": "response", "deleted": True}
+    for response in (
+        client.get(f"/v1/responses/{body['id']}"),
+        client.delete(f"/v1/responses/{body['id']}"),
+        _respond(client, previous_response_id=body["id"]),
+    ):
+        assert response.status_code == 404 and body["id"] in response.json()["error"]["message"]
+
+
+def test_store_false_keeps_nothing(client):
+    body = _respond(client, store=False).json()
+    assert body["store"] is False
+    assert client.get(f"/v1/responses/{body['id']}").status_code == 404
+
+
+def test_the_store_forgets_the_oldest_past_its_size(client_with, engine: FakeEngine):
+    client, engine.max_model_len = client_with(responses_store_size=2), 2048
+    first, _, third = (_respond(client).json()["id"] for _ in range(3))
+    assert client.get(f"/v1/responses/{first}").status_code == 404
+    fourth = _respond(client, previous_response_id=third).json()["id"]
+    fifth = _respond(client, previous_response_id=fourth).json()["id"]  # reads fourth, third:
+    broken = _respond(client, previous_response_id=fifth)  # fourth was the oldest then
+    assert broken.status_code == 404
+    assert broken.json()["error"]["message"] == (
+        f"A response it continues with id '{fourth}' not found."
+    )
+
+
+def test_without_a_store_store_is_false_and_nothing_can_be_continued(client_with):
+    client = client_with(responses_store_size=0)
+    assert _respond(client).json()["store"] is False
+    response = _respond(client, previous_response_id="resp_1")
+    assert response.status_code == 400 and "stores no responses" in response.text
