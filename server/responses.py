@@ -10,9 +10,10 @@ earlier turns' reasoning. Stored responses (`previous_response_id`): server/resp
 
 from __future__ import annotations
 
-import time
+import re
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from pydantic import ValidationError
@@ -44,13 +45,28 @@ from pagedserve.server.responses_protocol import (
 RESPONSES_PARAM = {
     "messages": "input",
     "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
     "response_format": "text.format",
     "logprobs": "include",
     "truncate_prompt_tokens": "truncation",
 }
+# The same in a location or a message: whole names only ("set_response_format" stays).
+_CHAT_NAMES = re.compile(
+    r"(?<![\w.])(max_completion_tokens|max_tokens|response_format\.json_schema|response_format)"
+    r"(?!\w)|(?<=tools\.)(\d+)\.function(?=\.)"
+)
+_RENAMED = {"response_format.json_schema": "text.format"} | RESPONSES_PARAM
+
+
+def in_responses_terms(text: str) -> str:
+    """`text` with chat's names of the Responses API's parameters replaced by their names here
+    (a tool's `function` level too: this API's tools are flat)."""
+    return _CHAT_NAMES.sub(lambda m: m.group(2) or _RENAMED[m.group(1)], text)
+
+
 # vLLM's sampling extensions: the same name and meaning in both APIs.
 PASSED_ON = (
-    *("model", "temperature", "top_p", "top_logprobs", "parallel_tool_calls", "user", "top_k"),
+    *("model", "temperature", "top_p", "parallel_tool_calls", "user", "top_k", "include_reasoning"),
     *("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop"),
     *("stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids"),
     *("bad_words", "cache_salt", "include_stop_str_in_output", "skip_special_tokens", "priority"),
@@ -75,10 +91,11 @@ def to_chat_request(
         "messages": [*instructions, *history, *turn],
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        "logprobs": "message.output_text.logprobs" in (body.include or []),
         "max_completion_tokens": body.max_output_tokens,
         "chat_template_kwargs": _template_kwargs(body),
     }
+    if "message.output_text.logprobs" in (body.include or []):
+        fields |= {"logprobs": True, "top_logprobs": body.top_logprobs or 0}
     if body.truncation == "auto":
         fields["truncate_prompt_tokens"] = -1
     if body.tools:
@@ -92,10 +109,10 @@ def to_chat_request(
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as error:
         problem = error.errors()[0]
-        where = ".".join(str(part) for part in problem["loc"])
+        where = in_responses_terms(".".join(str(part) for part in problem["loc"]))
         first = str(problem["loc"][0]) if problem["loc"] else "input"
         param = RESPONSES_PARAM.get(first, first)
-        raise invalid_request(f"{where}: {problem['msg']}", param) from None
+        raise invalid_request(f"{where}: {in_responses_terms(problem['msg'])}", param) from None
 
 
 def _refuse_unservable(body: ResponsesRequest) -> None:
@@ -262,6 +279,9 @@ class ResponseBuilder:
         self._usage: UsageInfo | None = None
         self._reasoning_tokens = 0
         self._finish_reason: str | None = None
+        # Logprobs of tokens whose text is held back (part of a character, a tag): they go with
+        # the text that follows, so the message's logprobs cover its text's tokens.
+        self._pending_logprobs: list[ChatTokenLogprob] = []
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.sequence_number, **fields}
@@ -281,13 +301,17 @@ class ResponseBuilder:
         events: list[dict[str, Any]] = []
         for choice in chunk.choices:
             delta = choice.delta
+            logprobs = (choice.logprobs.content if choice.logprobs else None) or []
             if delta.reasoning:
                 events += self._reasoning(delta.reasoning)
+                self._pending_logprobs = []  # reasoning's tokens: not the message's
                 if self._usage is not None:  # tokens up to the last one that was reasoning
                     self._reasoning_tokens = self._usage.completion_tokens
             if delta.content:
-                logprobs = choice.logprobs.content if choice.logprobs else None
-                events += self._text(delta.content, logprobs or [])
+                events += self._text(delta.content, [*self._pending_logprobs, *logprobs])
+                self._pending_logprobs = []
+            elif not delta.reasoning:
+                self._pending_logprobs += logprobs
             for call in delta.tool_calls or []:
                 events += self._call(
                     call.index, call.id, call.function.name, call.function.arguments
@@ -297,8 +321,10 @@ class ResponseBuilder:
 
     def finish(self) -> list[dict[str, Any]]:
         """Close the open item and the response: `completed`, or `incomplete` when the output
-        reached max_output_tokens."""
-        events = self._close()
+        reached max_output_tokens (and so does the item it cut short)."""
+        if isinstance(self._open, MessageItem):  # the last tokens' (the stop token's)
+            self._open.content[0].logprobs += self._pending_logprobs
+        events = self._close(cut=self._finish_reason == "length")
         response = self.response
         if self._finish_reason == "length":
             response.status = "incomplete"
@@ -308,11 +334,7 @@ class ResponseBuilder:
         usage = self._usage or UsageInfo(prompt_tokens=0, total_tokens=0)
         response.usage = ResponseUsage(
             input_tokens=usage.prompt_tokens,
-            input_tokens_details=InputTokensDetails(
-                cached_tokens=usage.prompt_tokens_details.cached_tokens
-                if usage.prompt_tokens_details
-                else 0
-            ),
+            input_tokens_details=_input_details(usage),
             output_tokens=usage.completion_tokens,
             output_tokens_details=OutputTokensDetails(reasoning_tokens=self._reasoning_tokens),
             total_tokens=usage.total_tokens,
@@ -402,8 +424,9 @@ class ResponseBuilder:
             )
         return events
 
-    def _close(self) -> list[dict[str, Any]]:
-        """The events that finish the open item (none if there is none)."""
+    def _close(self, cut: bool = False) -> list[dict[str, Any]]:
+        """The events that finish the open item (none if there is none); `cut`: the output ended
+        inside it (max_output_tokens)."""
         item, self._open = self._open, None
         if item is None:
             return []
@@ -423,7 +446,7 @@ class ResponseBuilder:
             ]
         if not isinstance(item, FunctionCallItem):
             events.append(self._part_event("response.content_part.done", item))
-        item.status = "completed"
+        item.status = "incomplete" if cut else "completed"
         events.append(
             self.event(
                 "response.output_item.done", output_index=self._index(item), item=item.model_dump()
@@ -432,8 +455,15 @@ class ResponseBuilder:
         return events
 
 
-def created_at() -> int:
-    return int(time.time())
+def _input_details(usage: UsageInfo) -> InputTokensDetails:
+    """Cached: the prompt tokens found in the prefix cache; written: the others, whose K/V this
+    request computed into the paged cache."""
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return InputTokensDetails(cached_tokens=cached, cache_write_tokens=usage.prompt_tokens - cached)
+
+
+# response.failed's error codes (OpenAI's list), by HTTP status; anything else is a server_error.
+FAILURE_CODES = {429: "rate_limit_exceeded", 400: "invalid_prompt"}
 
 
 async def response_events(
@@ -442,8 +472,9 @@ async def response_events(
     """Every event of the response, the chat chunks consumed as they come."""
     for event in builder.start():
         yield event
-    async for chunk in chunks:
-        for event in builder.add(chunk):
-            yield event
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            for event in builder.add(chunk):
+                yield event
     for event in builder.finish():
         yield event

@@ -89,7 +89,7 @@ class ResponsesRequest(_Options):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -127,6 +127,7 @@ class ResponsesRequest(_Options):
     priority: int = 0
     chat_template_kwargs: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves a --reasoning-parser's part out
 
 
 # --- the answer -----------------------------------------------------------------------------
@@ -174,6 +175,7 @@ OutputItem = MessageItem | ReasoningItem | FunctionCallItem
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):

@@ -104,11 +104,17 @@ class _Output:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     run = await start_chat(body, request)
     if body.stream:
-        # "usage": null in a chunk only when usage is asked for
-        exclude = None if body.include_usage else {"usage"}
-        chunks = (chunk.model_dump_json(exclude=exclude) async for chunk in run.chunks())
-        return EventStreamResponse(sse_events(chunks))
+        return EventStreamResponse(sse_events(_as_json(run.chunks(), body.include_usage)))
     return JSONResponse((await run.response()).model_dump())
+
+
+async def _as_json(
+    chunks: AsyncIterator[ChatCompletionChunk], include_usage: bool
+) -> AsyncIterator[str]:
+    exclude = None if include_usage else {"usage"}  # "usage": null only when usage is asked for
+    async with aclosing(chunks):  # closing this stream closes the engine's at once
+        async for chunk in chunks:
+            yield chunk.model_dump_json(exclude=exclude)
 
 
 @dataclass(slots=True)

@@ -23,8 +23,10 @@ from pagedserve.server.errors import (
 from pagedserve.server.request_fields import check_request_fields
 from pagedserve.server.response_store import ResponseStore, StoredResponse, UnknownResponseError
 from pagedserve.server.responses import (
+    FAILURE_CODES,
     RESPONSES_PARAM,
     ResponseBuilder,
+    in_responses_terms,
     input_messages,
     output_messages,
     response_events,
@@ -47,8 +49,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         run = await start_chat(to_chat_request(body, history, turn), request)
     except APIError as error:  # named as this API names the parameter
         error.param = RESPONSES_PARAM.get(error.param or "", error.param)
-        for chat_name in ("max_completion_tokens", "response_format"):
-            error.message = error.message.replace(chat_name, RESPONSES_PARAM[chat_name])
+        error.message = in_responses_terms(error.message)
         raise
     response = _response(body, request, run.header["model"])
     response.store = body.store and store.enabled
@@ -170,7 +171,8 @@ async def _sse(
         return  # nobody is listening any more
     except Exception as exc:
         error = to_api_error(exc)
-        yield _frame(builder.fail(error.code or error.type, error.message))
+        code = FAILURE_CODES.get(error.status_code, "server_error")
+        yield _frame(builder.fail(code, error.message))
 
 
 def _frame(event: dict[str, Any]) -> str:

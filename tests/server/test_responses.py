@@ -11,6 +11,8 @@ import json
 from typing import Any
 
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from pagedserve.engine.errors import RequestFailedError
 from tests.server.conftest import FakeEngine
@@ -25,6 +27,7 @@ WEATHER = {
         "required": ["city"],
     },
 }
+STREAM_EVENT: TypeAdapter = TypeAdapter(ResponseStreamEvent)
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "P"}}</tool_call>'
 
 
@@ -130,6 +133,20 @@ def test_logprobs_come_with_the_text_when_included(client):
     [part] = body["output"][0]["content"]
     assert [entry["token"] for entry in part["logprobs"]] == ["a", "b"]
     assert all(len(entry["top_logprobs"]) == 1 for entry in part["logprobs"])
+    assert _respond(client, top_logprobs=0).status_code == 200  # vLLM's default, no include
+
+
+@pytest.mark.parametrize("stop", [None, ["ef"]])
+def test_the_messages_logprobs_are_every_token_chat_scores(client, stop):
+    """Tokens whose text is held back (here by a stop string) keep their logprobs."""
+    chat = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "stop": stop},
+    ).json()
+    body = _respond(client, include=["message.output_text.logprobs"], stop=stop).json()
+    [part] = body["output"][0]["content"]
+    assert part["logprobs"] == chat["choices"][0]["logprobs"]["content"]
+    assert part["text"] == chat["choices"][0]["message"]["content"]
 
 
 def test_a_function_call_becomes_an_output_item(tool_client, engine: FakeEngine):
@@ -154,6 +171,16 @@ def test_reasoning_comes_as_its_own_item_and_counts_its_tokens(client_with, engi
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "hmm"}]
     assert message["content"][0]["text"] == "yes"
     assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == len("<think>hmm")
+    hidden = _respond(client, include_reasoning=False).json()  # vLLM's
+    assert [item["type"] for item in hidden["output"]] == ["message"]
+
+
+def test_an_item_cut_short_by_max_output_tokens_is_incomplete(client_with, engine: FakeEngine):
+    client = client_with(reasoning_parser="qwen3")
+    engine.script = "<think>a long thought</think>yes"
+    body = _respond(client, max_output_tokens=12).json()
+    [reasoning] = body["output"]
+    assert reasoning["status"] == "incomplete" and body["status"] == "incomplete"
 
 
 @pytest.mark.parametrize(
@@ -181,6 +208,10 @@ def test_streamed_events_rebuild_the_final_response(
     kinds = [event["type"] for event in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.completed"
+    # Every event and the response parse as the official SDK's types, strictly.
+    for event in events:
+        STREAM_EVENT.validate_python(event, strict=True)
+    Response.model_validate(whole, strict=True)
     final = events[-1]["response"]
     assert final["usage"] == whole["usage"]
     rebuilt: dict[str, str] = {}  # item id -> its text or arguments, from the deltas
@@ -211,7 +242,11 @@ def test_a_failure_after_the_stream_began_ends_it_with_response_failed(client, e
     events = _events(_respond(client, stream=True).text)
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["status"] == "failed"
-    assert events[-1]["response"]["error"]["message"] == "the engine failed this request"
+    assert events[-1]["response"]["error"] == {
+        "code": "server_error",  # OpenAI's codes only
+        "message": "the engine failed this request",
+    }
+    STREAM_EVENT.validate_python(events[-1], strict=True)
 
 
 @pytest.mark.parametrize(
@@ -230,6 +265,8 @@ def test_a_failure_after_the_stream_began_ends_it_with_response_failed(client, e
         ({"include": ["nonsense"]}, "include", "unknown value"),
         ({"top_logprobs": 2}, "top_logprobs", "include"),
         ({"max_output_tokens": 10_000}, "max_output_tokens", "max_output_tokens"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+        ({"tools": [WEATHER | {"name": "no spaces"}]}, "tools", "tools.0.name"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "schema"),
         ({"tool_choice": {"type": "allowed_tools"}}, "tool_choice", "tool_choice"),
         ({"text": {"verbosity": "high"}}, "text", "verbosity"),
