@@ -135,6 +135,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens (<|im_end|>...) out of the text
     structured_outputs: StructuredOutputs | None = None  # constrained decoding (None: free)
     lora: str | None = None  # the LoRA adapter to run, by its name (--lora-modules); None: base
+    # Return the final hidden state of the prompt's last token with the final delta (an
+    # embedding, engine/embeddings.py): a request of one choice and one token, which is dropped.
+    embed: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -262,6 +265,11 @@ class SamplingParams:
             self.lora is None or (isinstance(self.lora, str) and len(self.lora) > 0),
             "lora",
             "lora must be an adapter's name",
+        )
+        _check(
+            not self.embed or (self.n == 1 and self.max_tokens == 1),
+            "embed",
+            "an embedding request has one choice (n 1) and one token (max_tokens 1)",
         )
         _check(
             self.structured_outputs is None

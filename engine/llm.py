@@ -8,11 +8,18 @@ from typing import Any
 
 from pagedserve.configs import SamplingParams, load_engine_config
 from pagedserve.configs.engine import DEFAULT_MODEL, OFFLINE_MAX_NUM_BATCHED_TOKENS
+from pagedserve.engine.embeddings import normalized
 from pagedserve.engine.heap import freeze_startup_objects
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 
 PromptInput = str | list[int]
+EMBEDDING = SamplingParams(max_tokens=1, temperature=0.0, embed=True)  # the token is dropped
 
 
 class LLM:
@@ -43,14 +50,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion, all submitted together; outputs in prompt order.
         Without `sampling_params`, the model's sampling defaults (as vLLM's `LLM`)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        prompts = _prompt_list(prompts)
         params_list = _broadcast(sampling_params or self.default_sampling_params(), len(prompts))
         outputs: dict[str, RequestOutput] = {}
         for prompt, params in zip(prompts, params_list, strict=True):
-            request_id = str(next(self._ids))
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self.engine.add_request(request_id, token_ids, params)
+            request_id, token_ids = self._add(prompt, params)
             outputs[request_id] = RequestOutput(
                 request_id,
                 prompt if isinstance(prompt, str) else None,
@@ -77,6 +81,29 @@ class LLM:
             output.finished = True
         return list(outputs.values())
 
+    def embed(
+        self, prompts: PromptInput | Sequence[PromptInput], normalize: bool = True
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, in prompt order: the final hidden state of its last token
+        (engine/embeddings.py), L2-normalised unless `normalize` is false."""
+        token_ids = dict(self._add(prompt, EMBEDDING) for prompt in _prompt_list(prompts))
+        states: dict[str, tuple[float, ...]] = {}
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                if delta.embedding is not None:
+                    states[delta.request_id] = delta.embedding
+        shape = normalized if normalize else list
+        return [
+            EmbeddingRequestOutput(request_id, ids, EmbeddingOutput(shape(states[request_id])))
+            for request_id, ids in token_ids.items()
+        ]
+
+    def _add(self, prompt: PromptInput, params: SamplingParams) -> tuple[str, list[int]]:
+        request_id = str(next(self._ids))
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.engine.add_request(request_id, token_ids, params)
+        return request_id, token_ids
+
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -93,6 +120,12 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params)
+
+
+def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
 
 
 def _broadcast(

@@ -23,7 +23,6 @@ from pagedserve.configs import EngineConfig, SamplingParams
 from pagedserve.engine.cpu_threads import fit_threads_to_cpus
 from pagedserve.engine.heap_retention import retain_freed_heap_memory
 from pagedserve.engine.inputs import RequestValidator, ValidatedRequest
-from pagedserve.engine.lora import check_lora
 from pagedserve.engine.memory import kv_cache_num_blocks, make_cache_spec, resolve_device
 from pagedserve.engine.model_loader import LoadedModel, load_model
 from pagedserve.engine.model_runner import ModelRunner
@@ -111,7 +110,7 @@ class LLMEngine:
     ) -> ValidatedRequest:
         """Every check, once; safe on any thread. Raises InvalidRequestError (nothing queued)."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        check_lora(params.lora, self.runner.lora)
+        self.runner.check_request(params)
         return self.validator.validate(request_id, prompt_token_ids, params, arrival_time, priority)
 
     def add_request(
@@ -176,7 +175,6 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        self._count_step(plan)
         rows, drafts = self.outputs.sampling_rows(plan), _drafts_per_row(plan)
         try:
             logits = self._forward(plan, rows, drafts)
@@ -186,7 +184,8 @@ class LLMEngine:
         sampled = self._sample(plan, rows, drafts, logits)
         deltas = self.outputs.fail(sampled.errors)  # before the update: they have no token
         updates = self.scheduler.update_from_output(plan, sampled.runner_output())
-        return deltas + self.outputs.process(updates, sampled.logprobs, sampled.draft_logprobs)
+        deltas += self.outputs.process(updates, sampled.logprobs, sampled.draft_logprobs)
+        return self.runner.hidden.attach(deltas)  # embeddings on their final deltas
 
     def _count_step(self, plan: SchedulerOutput) -> None:
         self.num_steps += 1
@@ -199,7 +198,8 @@ class LLMEngine:
         """Logits [num sampling rows (drafts included) + num prompt-logprob rows, vocab_size];
         constrained sampling rows masked by their grammar, before any sampling (the
         logits-processor seam). Prompt rows are never masked: they score the prompt as is."""
-        logits = self.runner.execute(plan)
+        self._count_step(plan)
+        logits = self.runner.execute(plan, {row.sequence_id for row in rows if row.params.embed})
         # One matcher per sampling row: a sequence's draft rows follow its first row, and only
         # unconstrained sequences draft (scheduler/speculation.py), so draft rows get None.
         matchers = [

@@ -9,6 +9,7 @@ to attention), so nothing is global.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -18,13 +19,14 @@ from transformers import AttentionInterface
 from pagedserve.cache.attention import AttentionBackend, AttentionMetadata
 from pagedserve.cache.attention.torch_ref import attend_over_histories
 from pagedserve.cache.cache_engine import CacheEngine
-from pagedserve.configs import ModelConfig
+from pagedserve.configs import ModelConfig, SamplingParams
+from pagedserve.engine.embeddings import FinalHiddenStates
+from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.kept_rows import KeptRows, keeps_rows, kept_rows
 from pagedserve.engine.latent_attention import PagedLatentCache
-from pagedserve.engine.lora import load_lora_adapters
+from pagedserve.engine.lora import check_lora, load_lora_adapters
+from pagedserve.engine.model_support import ATTN_IMPLEMENTATION, check_paged_attention_support
 from pagedserve.scheduler import ScheduledRequest, SchedulerOutput
-
-ATTN_IMPLEMENTATION = "pagedserve"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,45 +99,6 @@ def paged_attention_forward(
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
-# Rotary variants that pick their scaling from the largest position in the whole flattened batch:
-# one long request would change the encoding of every short one batched with it.
-_BATCH_DEPENDENT_ROPE = ("longrope", "dynamic")
-
-
-def check_paged_attention_support(model: torch.nn.Module) -> None:
-    """Refuse, at load, a model whose attention would bypass or mis-serve the paged cache.
-
-    Raises:
-        ValueError: naming the model class and why.
-    """
-    name = type(model).__name__
-    config = model.config
-    if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-        # transformers keeps eager/sdpa, with only a warning, for classes that do not route
-        # attention through AttentionInterface: each step would then attend over its own tokens
-        # only, across requests, with no history.
-        raise ValueError(
-            f"{name} does not route attention through transformers' "
-            "AttentionInterface, so it cannot read the paged KV cache"
-        )
-    if getattr(config, "kv_lora_rank", None) is not None and not all(
-        hasattr(module, "expand_kv") for module in _attention_modules(model)
-    ):
-        # The latent is only reachable where the attention writes it through `cache.update`
-        # and expands it afterwards (transformers' DeepSeek-V2/V3 layout): see latent_attention.
-        raise ValueError(
-            f"{name} uses multi-head latent attention without transformers' latent-cache "
-            "layout (cache.update of the latent, then expand_kv), so its paged latent cache "
-            "cannot be filled; not supported"
-        )
-    for rope in (getattr(config, "rope_scaling", None), getattr(config, "rope_parameters", None)):
-        rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-        if rope_type in _BATCH_DEPENDENT_ROPE:
-            raise ValueError(
-                f"{name} uses {rope_type!r} RoPE scaling, which depends on the longest "
-                "sequence in a batch and would mix requests; it is not supported"
-            )
-
 
 @dataclass(frozen=True, slots=True)
 class PreparedBatch:
@@ -168,6 +131,7 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         check_paged_attention_support(model)
         self.keeps_rows = keeps_rows(model)
+        self.hidden = FinalHiddenStates(model)
 
     def prepare(self, plan: SchedulerOutput) -> PreparedBatch:
         input_ids: list[int] = []
@@ -242,9 +206,20 @@ class ModelRunner:
         )
         return output.logits[0]
 
-    def execute(self, plan: SchedulerOutput) -> Tensor:
+    def check_request(self, params: SamplingParams) -> None:
+        """Raises InvalidRequestError for a LoRA adapter not served, or an embedding this model
+        cannot give."""
+        check_lora(params.lora, self.lora)
+        if params.embed and not self.hidden.available:
+            raise InvalidRequestError("this model has no final norm to embed from", "embed")
+
+    def execute(self, plan: SchedulerOutput, embed: Collection[str] = ()) -> Tensor:
+        """Logits of the step's rows; `embed`: sampling sequences whose final hidden state the
+        step keeps (engine/embeddings.py)."""
         self.cache_engine.copy_blocks(plan.block_copies)
-        return self.forward(self.prepare(plan))
+        batch = self.prepare(plan)
+        self.hidden.arm(plan, embed, batch.logits_indices, all_tokens=batch.kept is None)
+        return self.forward(batch)
 
 
 def _lora_rows(plan: SchedulerOutput) -> tuple[tuple[int, int], ...]:
@@ -277,11 +252,3 @@ def _padded_block_tables(requests: list[ScheduledRequest], group: int) -> list[l
     rows = [[max(block, 0) for block in s.block_tables[group]] for s in requests]
     width = max(len(row) for row in rows)
     return [row + [0] * (width - len(row)) for row in rows]
-
-
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [
-        module
-        for name, module in model.named_modules()
-        if name.endswith("self_attn") and getattr(module, "layer_idx", None) is not None
-    ]

@@ -49,6 +49,8 @@ class RequestDelta:
     # With prompt logprobs: one entry per prompt token (None for the first), on the choice's
     # first delta only.
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # SamplingParams.embed: the final hidden state of the prompt's last token, on the final delta
+    embedding: tuple[float, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -72,6 +74,20 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """One prompt's embedding (offline API, vLLM's shape: `output.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from pagedserve.server.response_store import ResponseStore
 from pagedserve.server.routes import (
     chat,
     completions,
+    embeddings,
     engine_state,
     lora,
     models,
@@ -76,8 +77,8 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
     app = FastAPI(title="pagedserve", lifespan=_lifespan, strict_content_type=False)
     app.state.config, app.state.engine = config, engine
     app.state.response_store = ResponseStore(config.server.responses_store_size)
-    families = (completions, chat, responses, models, tokenize, system, router_support)
-    for family in (*families, engine_state):
+    generation = (completions, chat, responses, embeddings)
+    for family in (*generation, models, tokenize, system, router_support, engine_state):
         app.include_router(family.router)
     if config.model.allow_runtime_lora_updating:
         app.include_router(lora.router)

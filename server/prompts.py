@@ -63,31 +63,34 @@ def completion_prompts(
     prompt: str | list[str] | list[int] | list[list[int]],
     engine: EngineClient,
     add_special_tokens: bool = True,
+    param: str = "prompt",
 ) -> list[Prompt]:
-    """One `Prompt` per prompt of a /v1/completions request; empty prompts are rejected. Text
-    prompts get the tokenizer's special tokens (BOS...) unless `add_special_tokens` is false."""
+    """One `Prompt` per prompt of a /v1/completions request (or input of /v1/embeddings: `param`
+    names the field); empty prompts are rejected. Text prompts get the tokenizer's special
+    tokens (BOS...) unless `add_special_tokens` is false."""
     items: list[Any] = [prompt] if isinstance(prompt, str) else list(prompt)
     if items and isinstance(items[0], int):
         items = [items]  # a single prompt given as token ids
+    empty = f"The {param} must not be empty."
     if not items:
-        raise invalid_request("The prompt must not be empty.", "prompt")
+        raise invalid_request(empty, param)
     if len(items) > engine.max_waiting_requests:  # each prompt is one engine request
         raise invalid_request(
-            f"At most {engine.max_waiting_requests} prompts fit in one request (the server's "
+            f"At most {engine.max_waiting_requests} {param}s fit in one request (the server's "
             f"max_waiting_requests); got {len(items)}.",
-            "prompt",
+            param,
         )
     prompts = []
     for item in items:
         if not item:
-            raise invalid_request("The prompt must not be empty.", "prompt")
+            raise invalid_request(empty, param)
         if isinstance(item, str):
-            token_ids = encode_text(engine, item, "prompt", add_special_tokens)
+            token_ids = encode_text(engine, item, param, add_special_tokens)
             if not token_ids:  # e.g. whitespace a tokenizer drops, without special tokens
-                raise invalid_request("The prompt must not be empty.", "prompt")
+                raise invalid_request(empty, param)
             prompts.append(Prompt(token_ids, item))
         else:
-            check_token_ids(item, engine.vocab_size, "prompt")
+            check_token_ids(item, engine.vocab_size, param)
             prompts.append(Prompt(list(item), engine.tokenizer.decode(item)))
     return prompts
 

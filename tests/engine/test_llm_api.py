@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+import torch
 
 from pagedserve.configs import SamplingParams
 from pagedserve.configs.engine import OFFLINE_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
@@ -148,3 +149,18 @@ def test_generate_with_prompt_logprobs_and_max_tokens_zero_returns_only_them(llm
     assert len(entries) == len(output.prompt_token_ids) and entries[0] is None
     assert [entry.token_id for entry in entries[1:]] == output.prompt_token_ids[1:]
     assert all(len(entry.top_logprobs) == 2 and entry.rank >= 1 for entry in entries[1:])
+
+
+def test_embed_gives_each_prompts_normalised_final_hidden_state(llm, default_hf_model):
+    prompts = ["The capital of France is", llm.tokenizer.encode("Vectors compare by angle.")]
+    outputs = llm.embed(prompts)
+    raw = llm.embed(prompts[0], normalize=False)[0].outputs.embedding
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        assert output.prompt_token_ids == ids
+        with torch.no_grad():
+            state = default_hf_model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+        want = torch.nn.functional.normalize(state, dim=0)
+        assert (torch.tensor(output.outputs.embedding) - want).abs().max().item() < 1e-4
+    assert torch.tensor(raw).norm().item() > 2  # not normalised
+    assert not llm.engine.has_unfinished_requests()

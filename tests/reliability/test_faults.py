@@ -347,11 +347,11 @@ def test_a_failing_forward_pass_fails_its_batch_and_the_engine_serves_on(h, monk
     runner = h.llm.runner
     original, calls = runner.execute, []
 
-    def execute_failing_once(plan: Any) -> Any:
+    def execute_failing_once(plan: Any, *embed: Any) -> Any:
         calls.append(plan)
         if len(calls) == 2:  # a decode step of the request below
             raise RuntimeError("injected forward fault")
-        return original(plan)
+        return original(plan, *embed)
 
     monkeypatch.setattr(runner, "execute", execute_failing_once)
     error = _failed_completion(h.url, {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True})

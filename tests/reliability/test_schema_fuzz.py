@@ -31,7 +31,11 @@ FUZZ_SECONDS = float(os.environ.get("PAGEDSERVE_FUZZ_SECONDS", "30"))
 MAX_EXAMPLES = 5000  # the time budget, not this, is what normally ends the run
 MAX_GENERATED_TOKENS = 2  # keeps each accepted request to a couple of decode steps on a CPU
 MAX_PROMPTS = 3
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
+MAX_TOKEN_FIELDS = {
+    "/v1/responses": ("max_output_tokens",),
+    "/v1/embeddings": (),  # one token each
+}
 
 
 class _TimeIsUp(BaseException):
@@ -44,11 +48,7 @@ def _keep_it_cheap(path: str, body: Any) -> Any:
     if path not in GENERATION_PATHS or not isinstance(body, dict):
         return body
     body = dict(body)
-    names = (
-        ("max_output_tokens",)
-        if path == "/v1/responses"
-        else ("max_tokens", "max_completion_tokens")
-    )
+    names = MAX_TOKEN_FIELDS.get(path, ("max_tokens", "max_completion_tokens"))
     for name in names:
         value = body.get(name)
         if value is None or (type(value) is int and value > MAX_GENERATED_TOKENS):

@@ -171,6 +171,13 @@ class FakeEngine:
         )
         try:
             await asyncio.sleep(self.first_delta_delay_s)
+            if params.embed:  # one final delta, with (prompt length, 3, 4) as the embedding
+                finished.add(0)
+                yield RequestDelta(
+                    request_id, 0, (EOS_TOKEN_ID,), "", None, len(prompt_token_ids), 1, True,
+                    "stop", embedding=(float(len(prompt_token_ids)), 3.0, 4.0),
+                )  # fmt: skip
+                return
             if params.max_tokens == 0:
                 for choice in range(params.n):
                     finished.add(choice)

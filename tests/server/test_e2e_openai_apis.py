@@ -1,16 +1,22 @@
-"""End to end: tool calling on a real server with the default model, through the official `openai`
-client and the OpenAI Agents SDK. "required" and named tool_choice must always return calls whose
-arguments validate against the tool's schema; streamed deltas must concatenate to the same calls."""
+"""End to end on one real server with the default model, through the official `openai` client and
+the OpenAI Agents SDK: tool calling ("required" and named tool_choice always return calls whose
+arguments validate against the tool's schema; streamed deltas concatenate to the same calls), the
+Responses API (the answer chat gives, streamed, stored and continued; the Agents SDK's default
+model calling a tool through it), and embeddings (Hugging Face's final hidden states)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 
+import httpx
 import jsonschema
 import openai
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from pagedserve.engine.model_loader import DEFAULT_MODEL, resolve_model_path
 from tests.server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -240,3 +246,19 @@ def test_agents_sdk_runs_a_turn_with_a_function_tool(server, model_name, api):
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?")
     assert len(cities) == 1 and cities[0]
     assert result.final_output == f"The weather in {cities[0]} is sunny and 22 degrees."
+
+
+def test_embeddings_are_the_models_normalised_final_hidden_states(server, client, model_name):
+    texts = ["The capital of France is", "Embeddings compare by angle."]
+    path = resolve_model_path(DEFAULT_MODEL)[0]
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    as_base64 = client.embeddings.create(model=model_name, input=texts)  # the SDK's default
+    as_floats = client.embeddings.create(model=model_name, input=texts, encoding_format="float")
+    assert as_base64.usage.prompt_tokens == as_floats.usage.prompt_tokens > 0
+    for text, packed, plain in zip(texts, as_base64.data, as_floats.data, strict=True):
+        ids = httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()["tokens"]
+        with torch.no_grad():
+            state = hf_model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+        want = torch.nn.functional.normalize(state, dim=0)
+        for got in (packed.embedding, plain.embedding):
+            assert (torch.tensor(got) - want).abs().max().item() < 1e-4

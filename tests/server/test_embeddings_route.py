@@ -1,0 +1,81 @@
+"""POST /v1/embeddings with the fake engine (which embeds a prompt of n tokens as (n, 3, 4)):
+each input becomes an engine request of one token asking for its embedding; the answer is
+OpenAI's list, normalised unless `normalize` is false, cut to `dimensions`, as floats or as
+base64 float32; what cannot be served is a 400 naming the field."""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+
+import pytest
+
+from tests.server.conftest import FakeEngine
+
+
+def _embed(client, **body):
+    return client.post("/v1/embeddings", json={"input": "hi"} | body)
+
+
+def _unit(*values: float) -> list[float]:
+    norm = math.sqrt(sum(value * value for value in values))
+    return [value / norm for value in values]
+
+
+def test_each_input_gets_its_normalised_embedding_in_order(client, engine: FakeEngine):
+    response = _embed(client, input=["hi", "hello", "abcd"])
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "list" and body["model"] == engine.model_name
+    assert [item["index"] for item in body["data"]] == [0, 1, 2]
+    for item, length in zip(body["data"], (2, 5, 4), strict=True):
+        assert item["object"] == "embedding"
+        assert item["embedding"] == pytest.approx(_unit(length, 3, 4))
+    assert body["usage"] == {"prompt_tokens": 11, "total_tokens": 11}
+    for _, _, params in engine.requests:  # one token, greedy, asking for the embedding
+        assert params.embed and params.max_tokens == 1 and params.n == 1
+    ids = _embed(client, input=[[1, 2, 3], [4, 5]]).json()["data"]
+    assert ids[1]["embedding"] == pytest.approx(_unit(2, 3, 4))
+    assert engine.requests[-1][1] == [4, 5]
+
+
+def test_normalize_false_dimensions_and_base64(client):
+    raw = _embed(client, normalize=False).json()["data"][0]["embedding"]
+    assert raw == [2.0, 3.0, 4.0]
+    cut = _embed(client, dimensions=2).json()["data"][0]["embedding"]
+    assert cut == pytest.approx(_unit(2, 3))
+    encoded = _embed(client, encoding_format="base64").json()["data"][0]["embedding"]
+    decoded = struct.unpack("<3f", base64.b64decode(encoded))
+    assert decoded == pytest.approx(_unit(2, 3, 4))
+
+
+def test_an_adapter_named_as_the_model_runs_it(client_with, engine: FakeEngine):
+    engine.lora_adapters = {"sql": "/adapters/sql"}
+    client = client_with(enable_lora=True, lora_modules=["sql=/adapters/sql"])
+    body = _embed(client, model="sql").json()
+    assert body["model"] == "sql" and engine.requests[-1][2].lora == "sql"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"input": []}, "input", "must not be empty"),
+        ({"input": [""]}, "input", "must not be empty"),
+        ({"input": [[1, 999]]}, "input", "out of vocabulary"),
+        ({"input": "x" * 64}, "input", "embeds at most 63"),
+        ({"dimensions": 4}, "dimensions", "have 3"),
+        ({"dimensions": 0}, "dimensions", "greater than or equal to 1"),
+        ({"encoding_format": "int8"}, "encoding_format", "encoding_format"),
+        ({"input": 5}, "input", "input"),
+    ],
+)
+def test_what_cannot_be_served_is_a_400_naming_the_field(client, body, param, says):
+    response = _embed(client, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert says in str(error) and (error["param"] or "").startswith(param), error
+
+
+def test_an_unknown_model_is_a_404(client):
+    assert _embed(client, model="nope").status_code == 404
