@@ -257,13 +257,20 @@ class ServerConfig(_Section):
         description="return a thinking model's <think> part as the chat message's `reasoning` "
         "(as vLLM's; default: none, it stays in the content)",
     )
-    responses_store_size: int = Field(
-        1000,
-        ge=0,
-        description="responses kept in memory for the Responses API's previous_response_id and "
-        "GET /v1/responses/{id} (store: true, OpenAI's default); the oldest are forgotten "
-        "first; 0 keeps none (store is then answered false, as vLLM's default)",
+    responses_store_memory: str = Field(
+        "256MiB",
+        description="memory for responses kept for the Responses API's previous_response_id and "
+        "GET /v1/responses/{id} (store: true, OpenAI's default), as their JSON; the least "
+        "recently used are forgotten first; 0 keeps none (store is then answered false, as "
+        "vLLM's default)",
     )
+
+    @field_validator("responses_store_memory")
+    @classmethod
+    def _a_byte_size(cls, value: str) -> str:
+        parse_bytes(value)  # raises, naming the value, if it is no size
+        return value
+
     # The state lists request ids and block tables (no text): fine on a loopback bind, a choice to
     # make on a public one.
     enable_engine_state: bool | None = Field(

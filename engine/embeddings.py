@@ -74,6 +74,9 @@ class FinalHiddenStates:
                 row += 1 + len(scheduled.draft_token_ids)
         self._rows, self._all_tokens, self._logits_indices = rows, all_tokens, logits_indices
 
+    def disarm(self) -> None:
+        self._rows = None
+
     def _keep(self, module: nn.Module, inputs: Any, output: Any) -> None:
         if self._rows is None:
             return

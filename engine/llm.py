@@ -9,6 +9,7 @@ from typing import Any
 from pagedserve.configs import SamplingParams, load_engine_config
 from pagedserve.configs.engine import DEFAULT_MODEL, OFFLINE_MAX_NUM_BATCHED_TOKENS
 from pagedserve.engine.embeddings import normalized
+from pagedserve.engine.errors import RequestFailedError
 from pagedserve.engine.heap import freeze_startup_objects
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import (
@@ -53,8 +54,10 @@ class LLM:
         prompts = _prompt_list(prompts)
         params_list = _broadcast(sampling_params or self.default_sampling_params(), len(prompts))
         outputs: dict[str, RequestOutput] = {}
-        for prompt, params in zip(prompts, params_list, strict=True):
-            request_id, token_ids = self._add(prompt, params)
+        added = self._add_all(prompts, params_list)
+        for prompt, params, (request_id, token_ids) in zip(
+            prompts, params_list, added, strict=True
+        ):
             outputs[request_id] = RequestOutput(
                 request_id,
                 prompt if isinstance(prompt, str) else None,
@@ -86,10 +89,13 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding, in prompt order: the final hidden state of its last token
         (engine/embeddings.py), L2-normalised unless `normalize` is false."""
-        token_ids = dict(self._add(prompt, EMBEDDING) for prompt in _prompt_list(prompts))
+        prompts = _prompt_list(prompts)
+        token_ids = dict(self._add_all(prompts, [EMBEDDING] * len(prompts)))
         states: dict[str, tuple[float, ...]] = {}
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
+                if delta.finished and delta.embedding is None:
+                    raise RequestFailedError(f"request {delta.request_id}: {delta.error}")
                 if delta.embedding is not None:
                     states[delta.request_id] = delta.embedding
         shape = normalized if normalize else list
@@ -98,11 +104,23 @@ class LLM:
             for request_id, ids in token_ids.items()
         ]
 
-    def _add(self, prompt: PromptInput, params: SamplingParams) -> tuple[str, list[int]]:
-        request_id = str(next(self._ids))
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.engine.add_request(request_id, token_ids, params)
-        return request_id, token_ids
+    def _add_all(
+        self, prompts: list[PromptInput], params_list: list[SamplingParams]
+    ) -> list[tuple[str, list[int]]]:
+        """Queue every prompt: (request id, token ids) each. If one is refused, those queued
+        before it are aborted (their blocks freed) before the error is raised."""
+        added: list[tuple[str, list[int]]] = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                request_id = str(next(self._ids))
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                self.engine.add_request(request_id, ids, params)
+                added.append((request_id, ids))
+        except BaseException:
+            for request_id, _ in added:
+                self.engine.abort_request(request_id)
+            raise
+        return added
 
     def chat(
         self,

@@ -211,7 +211,7 @@ class ModelRunner:
         cannot give."""
         check_lora(params.lora, self.lora)
         if params.embed and not self.hidden.available:
-            raise InvalidRequestError("this model has no final norm to embed from", "embed")
+            raise InvalidRequestError("this model has no final norm to embed from", "model")
 
     def execute(self, plan: SchedulerOutput, embed: Collection[str] = ()) -> Tensor:
         """Logits of the step's rows; `embed`: sampling sequences whose final hidden state the
@@ -219,7 +219,10 @@ class ModelRunner:
         self.cache_engine.copy_blocks(plan.block_copies)
         batch = self.prepare(plan)
         self.hidden.arm(plan, embed, batch.logits_indices, all_tokens=batch.kept is None)
-        return self.forward(batch)
+        try:
+            return self.forward(batch)
+        finally:
+            self.hidden.disarm()  # a forward that failed before the final norm leaves no rows
 
 
 def _lora_rows(plan: SchedulerOutput) -> tuple[tuple[int, int], ...]:

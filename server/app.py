@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from pagedserve.configs import EngineConfig
+from pagedserve.configs.engine import parse_bytes
 from pagedserve.engine.client import EngineClient
 from pagedserve.engine.heap import freeze_startup_objects, thaw_startup_objects
 from pagedserve.server.errors import install_exception_handlers
@@ -76,7 +77,7 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
     # strict_content_type=False: a JSON body without a Content-Type header is still parsed.
     app = FastAPI(title="pagedserve", lifespan=_lifespan, strict_content_type=False)
     app.state.config, app.state.engine = config, engine
-    app.state.response_store = ResponseStore(config.server.responses_store_size)
+    app.state.response_store = ResponseStore(parse_bytes(config.server.responses_store_memory))
     generation = (completions, chat, responses, embeddings)
     for family in (*generation, models, tokenize, system, router_support, engine_state):
         app.include_router(family.router)

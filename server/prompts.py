@@ -195,9 +195,16 @@ def _renders_tools(tokenizer: Any, tools: list[dict[str, Any]]) -> bool:
     return bool(with_tools != plain)
 
 
-def truncated(prompt: Prompt, keep: int | None, engine: EngineClient) -> Prompt:
-    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: the model's context
-    length; None: all of it). A cut prompt's text is its tokens' (what `echo` returns)."""
+def truncated(
+    prompt: Prompt,
+    keep: int | None,
+    engine: EngineClient,
+    side: str = "left",
+    longest: int | None = None,
+) -> Prompt:
+    """The prompt cut to `keep` tokens (vLLM's truncate_prompt_tokens; -1: `longest`, by default
+    the model's context length; None: all of it): its last ones (`side` "left", what generation
+    keeps) or its first ("right"). A cut prompt's text is its tokens' (what `echo` returns)."""
     if keep is None:
         return prompt
     if keep == 0:
@@ -205,10 +212,10 @@ def truncated(prompt: Prompt, keep: int | None, engine: EngineClient) -> Prompt:
             "truncate_prompt_tokens must be at least 1 (or -1 for the context length).",
             "truncate_prompt_tokens",
         )
-    keep = engine.max_model_len if keep == -1 else keep
+    keep = (longest or engine.max_model_len) if keep == -1 else keep
     if len(prompt.token_ids) <= keep:
         return prompt
-    token_ids = prompt.token_ids[-keep:]
+    token_ids = prompt.token_ids[-keep:] if side == "left" else prompt.token_ids[:keep]
     return Prompt(token_ids, engine.tokenizer.decode(token_ids))
 
 

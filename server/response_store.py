@@ -1,16 +1,18 @@
 """Stored responses: what the Responses API's `previous_response_id` continues and
 GET /v1/responses/{id} returns (`store: true`, OpenAI's default).
 
-Each entry keeps its own turn only: the messages its request added (instructions aside, which
-OpenAI does not carry over) and its output as chat messages, with the id of the response it
-continued. A conversation is rebuilt by walking that chain back, so a long chain costs its length
-once, not its length squared. The store is bounded (`--responses-store-size`): past that, the
-least recently stored or read entries are forgotten, and a chain that runs into a forgotten one
-cannot be continued (404, naming it).
+Each entry keeps its own turn only: the response as answered and the messages its request added
+(instructions aside, which OpenAI does not carry over) with its output as chat messages, both as
+compact JSON, with the id of the response it continued. A conversation is rebuilt by walking that
+chain back, so a long chain costs its length once, not its length squared. The store holds at
+most `--responses-store-memory` bytes of that JSON: past it, the least recently stored or read
+entries are forgotten (one response larger than the whole budget is not stored at all), and a
+chain that runs into a forgotten one cannot be continued (404, naming it).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -19,9 +21,13 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
-    response: dict[str, Any]  # the response object as it was answered
+    response_json: bytes  # the response object as it was answered
     previous_response_id: str | None
-    messages: tuple[dict[str, Any], ...]  # this turn's input, then its output, as chat messages
+    messages_json: bytes  # this turn's input, then its output, as chat messages
+
+    @property
+    def size(self) -> int:
+        return len(self.response_json) + len(self.messages_json)
 
 
 class UnknownResponseError(KeyError):
@@ -32,22 +38,33 @@ class UnknownResponseError(KeyError):
         self.response_id = response_id
 
 
+def encode(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 class ResponseStore:
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.num_bytes = 0
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._lock = threading.Lock()  # handlers run on the event loop; tests may not
 
     @property
     def enabled(self) -> bool:
-        return self.capacity > 0
+        return self.budget_bytes > 0
 
-    def put(self, response_id: str, entry: StoredResponse) -> None:
+    def put(self, response_id: str, entry: StoredResponse) -> bool:
+        """Keep `entry`, forgetting the least recently used past the budget; False (nothing
+        kept, nothing forgotten) if it alone is larger than the budget."""
+        if entry.size > self.budget_bytes:
+            return False
         with self._lock:
+            self._remove(response_id)
             self._entries[response_id] = entry
-            self._entries.move_to_end(response_id)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+            self.num_bytes += entry.size
+            while self.num_bytes > self.budget_bytes:
+                self._remove(next(iter(self._entries)))
+        return True
 
     def get(self, response_id: str) -> StoredResponse:
         with self._lock:
@@ -59,7 +76,7 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> None:
         with self._lock:
-            if self._entries.pop(response_id, None) is None:
+            if not self._remove(response_id):
                 raise UnknownResponseError(response_id)
 
     def conversation(self, response_id: str) -> list[dict[str, Any]]:
@@ -68,9 +85,15 @@ class ResponseStore:
         next_id: str | None = response_id
         while next_id is not None:
             entry = self.get(next_id)
-            turns.append(entry.messages)
+            turns.append(json.loads(entry.messages_json))
             next_id = entry.previous_response_id
         return [message for turn in reversed(turns) for message in turn]
+
+    def _remove(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.num_bytes -= entry.size
+        return entry is not None
 
     def __len__(self) -> int:
         return len(self._entries)

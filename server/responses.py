@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -271,8 +271,12 @@ class ResponseBuilder:
     them: items open in the order their text starts (reasoning, the message, each call) and the
     one open before is finished first, as OpenAI's streams do."""
 
-    def __init__(self, response: ResponseObject) -> None:
+    def __init__(
+        self, response: ResponseObject, keep: Callable[[ResponseObject], bool] | None = None
+    ) -> None:
+        """`keep`: stores the finished response (store: true), False if it could not."""
         self.response = response
+        self.keep = keep
         self.sequence_number = 0
         self._open: ReasoningItem | MessageItem | FunctionCallItem | None = None
         self._calls: dict[int, FunctionCallItem] = {}  # chat's call index -> its item
@@ -339,6 +343,8 @@ class ResponseBuilder:
             output_tokens_details=OutputTokensDetails(reasoning_tokens=self._reasoning_tokens),
             total_tokens=usage.total_tokens,
         )
+        if self.keep is not None:  # stored as its final event shows it
+            response.store = self.keep(response)
         kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
         return [*events, self.event(kind, response=response.model_dump())]
 

@@ -10,9 +10,11 @@ hold at most the context length less one token (the one token the engine samples
 from __future__ import annotations
 
 import base64
-import struct
+import sys
+from contextlib import aclosing
 from typing import Any, Literal
 
+import torch
 from fastapi import APIRouter, Request
 from pydantic import Field
 
@@ -35,12 +37,25 @@ class EmbeddingRequest(_Options):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
-    # vLLM's
-    normalize: bool = True
+    # vLLM's: the activation (for embeddings, the L2 normalisation; `normalize` before 0.32)
+    use_activation: bool | None = None
+    normalize: bool | None = None
+    # vLLM's base64 encoding: the values' dtype and byte order
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    endianness: Literal["native", "little", "big"] = "native"
+    # vLLM's: cut the input to this many tokens (-1: the most an input may hold), from which side
+    # (default: the tokenizer's); padding is not done
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    padding: Literal["do_not_pad"] | None = None
     add_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = Field(None, max_length=1024)
+
+    @property
+    def normalizes(self) -> bool:
+        chosen = self.use_activation if self.use_activation is not None else self.normalize
+        return chosen is not False
 
 
 @router.post("/v1/embeddings")
@@ -48,15 +63,21 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
     engine = request.app.state.engine
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
+    if (body.model_extra or {}).get("messages") is not None:
+        raise invalid_request(
+            "Chat-style embedding requests (messages) are not supported; send input.", "messages"
+        )
+    longest = engine.max_model_len - 1  # the one token the engine samples needs its room
+    side = body.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
     prompts = [
-        truncated(prompt, body.truncate_prompt_tokens, engine)
+        truncated(prompt, body.truncate_prompt_tokens, engine, side, longest)
         for prompt in completion_prompts(body.input, engine, body.add_special_tokens, "input")
     ]
     for index, prompt in enumerate(prompts):
-        if len(prompt.token_ids) >= engine.max_model_len:
+        if len(prompt.token_ids) > longest:
             raise invalid_request(
                 f"Input {index} has {len(prompt.token_ids)} tokens; this model embeds at most "
-                f"{engine.max_model_len - 1} (its context length less one).",
+                f"{longest} (its context length less one; truncate_prompt_tokens -1 cuts to it).",
                 "input",
             )
     params = SamplingParams(
@@ -72,11 +93,12 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
     )
     stream = await start_generation(request, inputs, recorder)
     vectors: dict[int, tuple[float, ...]] = {}
-    async for prompt_index, delta in stream:
-        if delta.finished:
-            if delta.embedding is None:  # cannot happen: every embed request finishes with one
-                raise RequestFailedError("The engine returned no embedding.")
-            vectors[prompt_index] = delta.embedding
+    async with aclosing(stream):
+        async for prompt_index, delta in stream:
+            if delta.finished:
+                if delta.embedding is None:  # cannot happen: every embed request ends with one
+                    raise RequestFailedError("The engine returned no embedding.")
+                vectors[prompt_index] = delta.embedding
     num_prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
     return {
         "id": f"embd-{recorder.request_id}",
@@ -87,7 +109,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
             {
                 "object": "embedding",
                 "index": index,
-                "embedding": _encoded(_shaped(vectors[index], body), body.encoding_format),
+                "embedding": _encoded(_shaped(vectors[index], body), body),
             }
             for index in range(len(prompts))
         ],
@@ -96,18 +118,26 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
 
 
 def _shaped(vector: tuple[float, ...], body: EmbeddingRequest) -> list[float]:
-    """The first `dimensions` values (all by default), L2-normalised unless `normalize` is false."""
+    """The first `dimensions` values (all by default), L2-normalised unless asked not to be."""
     if body.dimensions is not None and body.dimensions > len(vector):
         raise invalid_request(
             f"dimensions is {body.dimensions}; this model's embeddings have {len(vector)}.",
             "dimensions",
         )
     values = list(vector[: body.dimensions])
-    return normalized(values) if body.normalize else values
+    return normalized(values) if body.normalizes else values
 
 
-def _encoded(values: list[float], encoding_format: str) -> list[float] | str:
-    """As floats, or OpenAI's base64: the little-endian float32 bytes."""
-    if encoding_format == "float":
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _encoded(values: list[float], body: EmbeddingRequest) -> list[float] | str:
+    """As floats, or as base64 of the values' bytes in `embed_dtype` (rounded to nearest even)
+    and `endianness` (OpenAI's: float32, the machine's order, little-endian on x86 and ARM)."""
+    if body.encoding_format == "float":
         return values
-    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+    array = torch.tensor(values, dtype=torch.float32).to(DTYPES[body.embed_dtype])
+    raw = array.view(torch.uint8).reshape(len(values), array.element_size())
+    if (body.endianness == "big") == (sys.byteorder == "little"):
+        raw = raw.flip(1)  # each value's bytes reversed
+    return base64.b64encode(bytes(raw.flatten().tolist())).decode()

@@ -7,7 +7,7 @@ began); whole, the response object."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -21,7 +21,12 @@ from pagedserve.server.errors import (
     to_api_error,
 )
 from pagedserve.server.request_fields import check_request_fields
-from pagedserve.server.response_store import ResponseStore, StoredResponse, UnknownResponseError
+from pagedserve.server.response_store import (
+    ResponseStore,
+    StoredResponse,
+    UnknownResponseError,
+    encode,
+)
 from pagedserve.server.responses import (
     FAILURE_CODES,
     RESPONSES_PARAM,
@@ -53,10 +58,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         raise
     response = _response(body, request, run.header["model"])
     response.store = body.store and store.enabled
-    builder = ResponseBuilder(response)
+    keep = _keeper(store, turn) if response.store else None
+    builder = ResponseBuilder(response, keep)
     events = response_events(builder, run.chunks())
-    if response.store:
-        events = _stored_at_the_end(events, store, builder, turn)
     if body.stream:
         return EventStreamResponse(_sse(builder, events))
     async with aclosing(events):
@@ -66,8 +70,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject)
-async def retrieve_response(response_id: str, request: Request) -> JSONResponse:
-    return JSONResponse(_stored(request, response_id).response)
+async def retrieve_response(response_id: str, request: Request) -> Response:
+    stored = _stored(request, response_id)
+    return Response(stored.response_json, media_type="application/json")
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -86,6 +91,20 @@ def _stored(request: Request, response_id: str) -> StoredResponse:
         ) from None
 
 
+def _keeper(store: ResponseStore, turn: list[dict[str, Any]]) -> Callable[[ResponseObject], bool]:
+    """Stores a finished response (one that failed or whose client went away never gets here),
+    as answered: store true, unless it alone is larger than the store."""
+
+    def keep(response: ResponseObject) -> bool:
+        messages = encode([*turn, *output_messages(response)])
+        entry = StoredResponse(
+            encode(response.model_dump()), response.previous_response_id, messages
+        )
+        return store.put(response.id, entry)
+
+    return keep
+
+
 def _history(body: ResponsesRequest, store: ResponseStore) -> list[dict[str, Any]]:
     """The earlier turns' messages that `previous_response_id` continues (none without it)."""
     previous = body.previous_response_id
@@ -93,7 +112,7 @@ def _history(body: ResponsesRequest, store: ResponseStore) -> list[dict[str, Any
         return []
     if not store.enabled:
         raise invalid_request(
-            "previous_response_id: this server stores no responses (--responses-store-size "
+            "previous_response_id: this server stores no responses (--responses-store-memory "
             "0); send the whole conversation as input.",
             "previous_response_id",
         )
@@ -104,24 +123,6 @@ def _history(body: ResponsesRequest, store: ResponseStore) -> list[dict[str, Any
         raise APIError(
             404, f"{which} with id '{error.response_id}' not found.", param="previous_response_id"
         ) from None
-
-
-async def _stored_at_the_end(
-    events: AsyncIterator[dict[str, Any]],
-    store: ResponseStore,
-    builder: ResponseBuilder,
-    turn: list[dict[str, Any]],
-) -> AsyncIterator[dict[str, Any]]:
-    """`events`; once the last has been produced, the response goes into the store (a response
-    that failed or was cut off by its client is not kept)."""
-    async with aclosing(events):
-        async for event in events:
-            yield event
-    response = builder.response
-    messages = (*turn, *output_messages(response))
-    store.put(
-        response.id, StoredResponse(response.model_dump(), response.previous_response_id, messages)
-    )
 
 
 def _response(body: ResponsesRequest, request: Request, model: str) -> ResponseObject:

@@ -110,5 +110,5 @@ def test_a_model_without_a_final_norm_refuses_embeddings(default_loaded):
     engine.runner.hidden.available = False  # as for a model whose final norm is not found
     with pytest.raises(InvalidRequestError, match="no final norm") as error:
         engine.add_request("e", [1, 2, 3], EMBED)
-    assert error.value.param == "embed"
+    assert error.value.param == "model"
     run_to_completion(engine)

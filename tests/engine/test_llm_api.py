@@ -10,6 +10,7 @@ import torch
 
 from pagedserve.configs import SamplingParams
 from pagedserve.configs.engine import OFFLINE_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
+from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tests.engine.conftest import assert_matches_reference, hf_greedy_reference
@@ -164,3 +165,12 @@ def test_embed_gives_each_prompts_normalised_final_hidden_state(llm, default_hf_
         assert (torch.tensor(output.outputs.embedding) - want).abs().max().item() < 1e-4
     assert torch.tensor(raw).norm().item() > 2  # not normalised
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_refused_prompt_leaves_nothing_queued(llm):
+    too_long = [5] * (llm.engine.max_model_len + 1)
+    for call in (lambda: llm.embed(["fine", too_long]), lambda: llm.generate(["fine", too_long])):
+        with pytest.raises(InvalidRequestError):
+            call()
+        assert not llm.engine.has_unfinished_requests()
+    assert llm.generate("Hi", SamplingParams(max_tokens=2))[0].finished  # still serves

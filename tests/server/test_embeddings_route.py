@@ -50,6 +50,33 @@ def test_normalize_false_dimensions_and_base64(client):
     assert decoded == pytest.approx(_unit(2, 3, 4))
 
 
+def test_vllm_encoding_options(client):
+    for field in ("use_activation", "normalize"):  # vLLM 0.32's, and its older name
+        assert _embed(client, **{field: False}).json()["data"][0]["embedding"] == [2.0, 3.0, 4.0]
+    for dtype, endianness, code in [
+        ("float16", "little", "<3e"),
+        ("float32", "big", ">3f"),
+        ("bfloat16", "native", None),
+    ]:
+        body = {"encoding_format": "base64", "embed_dtype": dtype, "endianness": endianness}
+        raw = base64.b64decode(
+            _embed(client, normalize=False, **body).json()["data"][0]["embedding"]
+        )
+        if code is None:  # bfloat16: the top half of each float32
+            raw = b"".join(b"\0\0" + raw[i : i + 2] for i in range(0, len(raw), 2))
+            code = "<3f"
+        assert struct.unpack(code, raw) == (2.0, 3.0, 4.0)
+
+
+@pytest.mark.parametrize(("side", "kept"), [(None, b"abcd"), ("right", b"abcd"), ("left", b"wxyz")])
+def test_truncation_cuts_from_the_side_asked_for(client, engine: FakeEngine, side, kept):
+    body = {"input": "abcd" + "-" * 100 + "wxyz", "truncate_prompt_tokens": 4}
+    assert _embed(client, **body, **({"truncation_side": side} if side else {})).status_code == 200
+    assert bytes(engine.requests[-1][1]) == kept  # the tokenizer's side (right) by default
+    longest = _embed(client, input="x" * 100, truncate_prompt_tokens=-1)
+    assert longest.status_code == 200 and len(engine.requests[-1][1]) == 63  # context less one
+
+
 def test_an_adapter_named_as_the_model_runs_it(client_with, engine: FakeEngine):
     engine.lora_adapters = {"sql": "/adapters/sql"}
     client = client_with(enable_lora=True, lora_modules=["sql=/adapters/sql"])
@@ -68,6 +95,9 @@ def test_an_adapter_named_as_the_model_runs_it(client_with, engine: FakeEngine):
         ({"dimensions": 0}, "dimensions", "greater than or equal to 1"),
         ({"encoding_format": "int8"}, "encoding_format", "encoding_format"),
         ({"input": 5}, "input", "input"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "not supported"),
+        ({"padding": "max_length"}, "padding", "padding"),
+        ({"embed_dtype": "int8"}, "embed_dtype", "embed_dtype"),
     ],
 )
 def test_what_cannot_be_served_is_a_400_naming_the_field(client, body, param, says):

@@ -330,8 +330,10 @@ def test_store_false_keeps_nothing(client):
     assert client.get(f"/v1/responses/{body['id']}").status_code == 404
 
 
-def test_the_store_forgets_the_oldest_past_its_size(client_with, engine: FakeEngine):
-    client, engine.max_model_len = client_with(responses_store_size=2), 2048
+def test_the_store_forgets_the_least_recently_used_past_its_memory(client_with, engine):
+    engine.max_model_len = 2048
+    size = len(_respond(client_with()).content)  # a fake answer's JSON, about the same each time
+    client = client_with(responses_store_memory=f"{int(2.5 * (size + 40))}B")  # two, with turns
     first, _, third = (_respond(client).json()["id"] for _ in range(3))
     assert client.get(f"/v1/responses/{first}").status_code == 404
     fourth = _respond(client, previous_response_id=third).json()["id"]
@@ -343,8 +345,17 @@ def test_the_store_forgets_the_oldest_past_its_size(client_with, engine: FakeEng
     )
 
 
+def test_a_response_larger_than_the_whole_store_is_answered_unstored(client_with):
+    client = client_with(responses_store_memory="100B")
+    body = _respond(client).json()
+    assert body["store"] is False
+    assert client.get(f"/v1/responses/{body['id']}").status_code == 404
+    final = _events(_respond(client, stream=True).text)[-1]["response"]
+    assert final["store"] is False
+
+
 def test_without_a_store_store_is_false_and_nothing_can_be_continued(client_with):
-    client = client_with(responses_store_size=0)
+    client = client_with(responses_store_memory="0")
     assert _respond(client).json()["store"] is False
     response = _respond(client, previous_response_id="resp_1")
     assert response.status_code == 400 and "stores no responses" in response.text
