@@ -109,16 +109,16 @@ async def run_once(config: Any, loaded: Any, prompts: list[list[int]], args, pha
     timed = TimedRun(engine, phase, args.window_s)
     async_engine = AsyncEngine(config)
     async_engine.engine = engine
-    take_state = async_engine._take_state  # timed where it runs: on the engine thread
+    take_state = async_engine_module.take_engine_state  # timed where it runs: the engine thread
 
-    def timed_take_state() -> Any:
+    def timed_take_state(running: Any) -> Any:
         start, start_cpu = time.perf_counter(), time.thread_time()
-        raw = take_state()
+        raw = take_state(running)
         timed.snapshot_seconds.append(time.perf_counter() - start)
         timed.snapshot_cpu_seconds.append(time.thread_time() - start_cpu)
         return raw
 
-    async_engine._take_state = timed_take_state  # type: ignore[method-assign]
+    async_engine_module.take_engine_state = timed_take_state
     build = async_engine_module.build_engine_state  # timed where it runs: on the event loop
 
     def timed_build(raw: Any) -> Any:
@@ -148,6 +148,7 @@ async def run_once(config: Any, loaded: Any, prompts: list[list[int]], args, pha
     polls = await poller
     await async_engine.shutdown()
     async_engine_module.build_engine_state = build
+    async_engine_module.take_engine_state = take_state
     if num_tokens != len(prompts) * args.output_tokens:
         raise RuntimeError(f"{num_tokens} tokens, expected {len(prompts) * args.output_tokens}")
     return {

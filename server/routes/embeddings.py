@@ -23,8 +23,15 @@ from pagedserve.engine.embeddings import normalized
 from pagedserve.engine.errors import RequestFailedError
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, start_generation
-from pagedserve.server.prompts import check_model, completion_prompts, truncated
-from pagedserve.server.protocol import _Options
+from pagedserve.server.prompts import (
+    Prompt,
+    TemplateOptions,
+    chat_prompt,
+    check_model,
+    completion_prompts,
+    truncated,
+)
+from pagedserve.server.protocol import ChatMessage, _Options
 from pagedserve.server.recorder import RequestRecorder
 from pagedserve.server.request_fields import check_request_fields
 
@@ -33,7 +40,12 @@ router = APIRouter()
 
 class EmbeddingRequest(_Options):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    # vLLM's chat-style requests: a conversation (or several) rendered by the chat template
+    messages: list[ChatMessage] | list[list[ChatMessage]] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
@@ -48,7 +60,7 @@ class EmbeddingRequest(_Options):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
     padding: Literal["do_not_pad"] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: true for input, false for messages
     priority: int = 0
     cache_salt: str | None = Field(None, max_length=1024)
 
@@ -63,15 +75,11 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
     engine = request.app.state.engine
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
-    if (body.model_extra or {}).get("messages") is not None:
-        raise invalid_request(
-            "Chat-style embedding requests (messages) are not supported; send input.", "messages"
-        )
     longest = engine.max_model_len - 1  # the one token the engine samples needs its room
     side = body.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
     prompts = [
         truncated(prompt, body.truncate_prompt_tokens, engine, side, longest)
-        for prompt in completion_prompts(body.input, engine, body.add_special_tokens, "input")
+        for prompt in _prompts(body, engine)
     ]
     for index, prompt in enumerate(prompts):
         if len(prompt.token_ids) > longest:
@@ -115,6 +123,35 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
         ],
         "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
     }
+
+
+def _prompts(body: EmbeddingRequest, engine: Any) -> list[Prompt]:
+    """The inputs as text or token ids, or each conversation as its chat template renders it."""
+    if (body.input is None) == (body.messages is None):
+        raise invalid_request("Give exactly one of 'input' and 'messages'.", "input")
+    if body.input is not None:
+        special = body.add_special_tokens is not False
+        return completion_prompts(body.input, engine, special, "input")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise invalid_request(
+            "continue_final_message and add_generation_prompt cannot both be true.",
+            "continue_final_message",
+        )
+    options = TemplateOptions(
+        body.add_generation_prompt,
+        body.continue_final_message,
+        body.chat_template_kwargs or {},
+        bool(body.add_special_tokens),
+    )
+    messages = body.messages or []
+    conversations = messages if messages and isinstance(messages[0], list) else [messages]
+    if not all(conversations):
+        raise invalid_request("A conversation must hold at least one message.", "messages")
+    if len(conversations) > engine.max_waiting_requests:
+        raise invalid_request(
+            f"At most {engine.max_waiting_requests} conversations fit in one request.", "messages"
+        )
+    return [chat_prompt(conversation, engine, None, options) for conversation in conversations]
 
 
 def _shaped(vector: tuple[float, ...], body: EmbeddingRequest) -> list[float]:

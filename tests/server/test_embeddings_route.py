@@ -77,6 +77,19 @@ def test_truncation_cuts_from_the_side_asked_for(client, engine: FakeEngine, sid
     assert longest.status_code == 200 and len(engine.requests[-1][1]) == 63  # context less one
 
 
+def test_conversations_are_rendered_by_the_chat_template(client, engine: FakeEngine):
+    hello = [{"role": "user", "content": "hello"}]
+    one = _embed(client, input=None, messages=hello)
+    assert one.status_code == 200, one.text
+    assert bytes(engine.requests[-1][1]).decode() == "<user>hello\n"  # no generation prompt
+    two = _embed(
+        client, input=None, messages=[hello, hello], add_generation_prompt=True,
+        chat_template_kwargs={"x": 1},
+    ).json()  # fmt: skip
+    assert len(two["data"]) == 2
+    assert bytes(engine.requests[-1][1]).decode() == "[x=1]<user>hello\n<assistant>"
+
+
 def test_an_adapter_named_as_the_model_runs_it(client_with, engine: FakeEngine):
     engine.lora_adapters = {"sql": "/adapters/sql"}
     client = client_with(enable_lora=True, lora_modules=["sql=/adapters/sql"])
@@ -95,7 +108,19 @@ def test_an_adapter_named_as_the_model_runs_it(client_with, engine: FakeEngine):
         ({"dimensions": 0}, "dimensions", "greater than or equal to 1"),
         ({"encoding_format": "int8"}, "encoding_format", "encoding_format"),
         ({"input": 5}, "input", "input"),
-        ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "not supported"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "input", "exactly one"),
+        ({"input": None, "messages": []}, "messages", "at least one message"),
+        ({"input": None, "messages": [[]]}, "messages", "at least one message"),
+        (
+            {
+                "input": None,
+                "messages": [{"role": "user", "content": "hi"}],
+                "continue_final_message": True,
+                "add_generation_prompt": True,
+            },
+            "continue_final_message",
+            "cannot both",
+        ),
         ({"padding": "max_length"}, "padding", "padding"),
         ({"embed_dtype": "int8"}, "embed_dtype", "embed_dtype"),
     ],
