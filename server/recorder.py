@@ -10,10 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedserve.engine.outputs import RequestDelta
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.protocol import PromptTokensDetails, UsageInfo
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +62,14 @@ class RequestRecorder:
         }
         self.num_cached_prompt_tokens = [0] * len(prompt_lengths)  # per prompt, from the engine
         self.is_closed = False
+
+    @classmethod
+    def of(cls, request: Request, prompt_lengths: list[int], n: int) -> RequestRecorder:
+        """The recorder of HTTP `request` (its id and arrival, set by the middleware)."""
+        state = request.state
+        return cls(
+            request.app.state.metrics, state.request_id, state.arrival_time, prompt_lengths, n
+        )
 
     def observe(self, prompt_idx: int, delta: RequestDelta) -> None:
         now = time.monotonic()

@@ -205,13 +205,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> ChatRun:
     reasoning_parser = server_parser if constraint is None or constraint.think else None
     _check_hidden_reasoning(body, server_parser, reasoning_parser)
     beam = beam_search_params(body, max_tokens, params.structured_outputs, lora)
-    recorder = RequestRecorder(
-        request.app.state.metrics,
-        request.state.request_id,
-        request.state.arrival_time,
-        [len(prompt.token_ids)],
-        params.n,
-    )
+    recorder = RequestRecorder.of(request, [len(prompt.token_ids)], params.n)
     stream = await start_generation(
         request, [EngineInput(prompt.token_ids, params, body.priority, beam)], recorder
     )

@@ -99,13 +99,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         beam = beam_search_params(body, max_tokens, structured_outputs, lora)
         inputs.append(EngineInput(prompt.token_ids, params, body.priority, beam))
     n = inputs[0].params.n
-    recorder = RequestRecorder(
-        request.app.state.metrics,
-        request.state.request_id,
-        request.state.arrival_time,
-        [len(p.token_ids) for p in prompts],
-        n,
-    )
+    recorder = RequestRecorder.of(request, [len(p.token_ids) for p in prompts], n)
     stream = await start_generation(request, inputs, recorder)
     header = {
         "id": f"cmpl-{recorder.request_id}",

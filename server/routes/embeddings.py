@@ -92,13 +92,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
         max_tokens=1, temperature=0.0, embed=True, lora=lora, cache_salt=body.cache_salt
     )
     inputs = [EngineInput(prompt.token_ids, params, body.priority) for prompt in prompts]
-    recorder = RequestRecorder(
-        request.app.state.metrics,
-        request.state.request_id,
-        request.state.arrival_time,
-        [len(prompt.token_ids) for prompt in prompts],
-        1,
-    )
+    recorder = RequestRecorder.of(request, [len(prompt.token_ids) for prompt in prompts], 1)
     stream = await start_generation(request, inputs, recorder)
     vectors: dict[int, tuple[float, ...]] = {}
     async with aclosing(stream):
