@@ -31,6 +31,7 @@ from pagedserve.server.routes import (
     models,
     responses,
     router_support,
+    scores,
     system,
     tokenize,
 )
@@ -78,7 +79,7 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
     app = FastAPI(title="pagedserve", lifespan=_lifespan, strict_content_type=False)
     app.state.config, app.state.engine = config, engine
     app.state.response_store = ResponseStore(parse_bytes(config.server.responses_store_memory))
-    generation = (completions, chat, responses, embeddings)
+    generation = (completions, chat, responses, embeddings, scores)
     for family in (*generation, models, tokenize, system, router_support, engine_state):
         app.include_router(family.router)
     if config.model.allow_runtime_lora_updating:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import sys
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -75,12 +76,44 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
     engine = request.app.state.engine
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
-    longest = engine.max_model_len - 1  # the one token the engine samples needs its room
     side = body.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
     prompts = [
-        truncated(prompt, body.truncate_prompt_tokens, engine, side, longest)
+        truncated(prompt, body.truncate_prompt_tokens, engine, side, engine.max_model_len - 1)
         for prompt in _prompts(body, engine)
     ]
+    options = EmbeddingOptions(lora, body.priority, body.cache_salt)
+    vectors = await embed_prompts(request, prompts, options)
+    num_prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
+    return {
+        "id": f"embd-{request.state.request_id}",
+        "object": "list",
+        "created": request.state.created,
+        "model": lora or engine.model_name,
+        "data": [
+            {
+                "object": "embedding",
+                "index": index,
+                "embedding": _encoded(_shaped(vector, body), body),
+            }
+            for index, vector in enumerate(vectors)
+        ],
+        "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingOptions:
+    lora: str | None = None  # the adapter the request's model names
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+async def embed_prompts(
+    request: Request, prompts: list[Prompt], options: EmbeddingOptions
+) -> list[tuple[float, ...]]:
+    """Each prompt's final hidden state (not normalised), all run in the engine at once: one
+    one-token request each (engine/embeddings.py). Raises a 400 for a prompt with no room."""
+    longest = request.app.state.engine.max_model_len - 1  # room for the token it samples
     for index, prompt in enumerate(prompts):
         if len(prompt.token_ids) > longest:
             raise invalid_request(
@@ -89,9 +122,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
                 "input",
             )
     params = SamplingParams(
-        max_tokens=1, temperature=0.0, embed=True, lora=lora, cache_salt=body.cache_salt
+        max_tokens=1, temperature=0.0, embed=True, lora=options.lora, cache_salt=options.cache_salt
     )
-    inputs = [EngineInput(prompt.token_ids, params, body.priority) for prompt in prompts]
+    inputs = [EngineInput(prompt.token_ids, params, options.priority) for prompt in prompts]
     recorder = RequestRecorder.of(request, [len(prompt.token_ids) for prompt in prompts], 1)
     stream = await start_generation(request, inputs, recorder)
     vectors: dict[int, tuple[float, ...]] = {}
@@ -101,22 +134,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
                 if delta.embedding is None:  # cannot happen: every embed request ends with one
                     raise RequestFailedError("The engine returned no embedding.")
                 vectors[prompt_index] = delta.embedding
-    num_prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
-    return {
-        "id": f"embd-{recorder.request_id}",
-        "object": "list",
-        "created": request.state.created,
-        "model": lora or engine.model_name,
-        "data": [
-            {
-                "object": "embedding",
-                "index": index,
-                "embedding": _encoded(_shaped(vectors[index], body), body),
-            }
-            for index in range(len(prompts))
-        ],
-        "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
-    }
+    return [vectors[index] for index in range(len(prompts))]
 
 
 def _prompts(body: EmbeddingRequest, engine: Any) -> list[Prompt]:

@@ -31,11 +31,16 @@ FUZZ_SECONDS = float(os.environ.get("PAGEDSERVE_FUZZ_SECONDS", "30"))
 MAX_EXAMPLES = 5000  # the time budget, not this, is what normally ends the run
 MAX_GENERATED_TOKENS = 2  # keeps each accepted request to a couple of decode steps on a CPU
 MAX_PROMPTS = 3
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
+SCORING_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+GENERATION_PATHS = (
+    *("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"),
+    *SCORING_PATHS,
+)
 MAX_TOKEN_FIELDS = {
     "/v1/responses": ("max_output_tokens",),
     "/v1/embeddings": (),  # one token each
-}
+} | {path: () for path in SCORING_PATHS}
+TEXT_LISTS = ("input", "documents", "text_1", "text_2", "queries", "items", "data_1", "data_2")
 
 
 class _TimeIsUp(BaseException):
@@ -62,8 +67,9 @@ def _keep_it_cheap(path: str, body: Any) -> Any:
         body["prompt"] = prompt[:MAX_PROMPTS]
     if isinstance(body.get("messages"), list):
         body["messages"] = body["messages"][:4]
-    if isinstance(body.get("input"), list):
-        body["input"] = body["input"][:4]
+    for name in TEXT_LISTS:
+        if isinstance(body.get(name), list):
+            body[name] = body[name][:4]
     return body
 
 

@@ -2,7 +2,8 @@
 the OpenAI Agents SDK: tool calling ("required" and named tool_choice always return calls whose
 arguments validate against the tool's schema; streamed deltas concatenate to the same calls), the
 Responses API (the answer chat gives, streamed, stored and continued; the Agents SDK's default
-model calling a tool through it), and embeddings (Hugging Face's final hidden states)."""
+model calling a tool through it), and embeddings (Hugging Face's final hidden states) with the
+scores and rerankings their cosines give."""
 
 from __future__ import annotations
 
@@ -262,3 +263,12 @@ def test_embeddings_are_the_models_normalised_final_hidden_states(server, client
         want = torch.nn.functional.normalize(state, dim=0)
         for got in (packed.embedding, plain.embedding):
             assert (torch.tensor(got) - want).abs().max().item() < 1e-4
+    # /v1/score and /rerank: the cosine of the same embeddings
+    wanted = torch.stack([torch.tensor(item.embedding) for item in as_floats.data])
+    cosine = float(wanted[0] @ wanted[1])
+    score = httpx.post(f"{server.url}/v1/score", json={"text_1": texts[0], "text_2": texts})
+    assert [item["score"] for item in score.json()["data"]] == pytest.approx(
+        [1.0, cosine], abs=1e-4
+    )
+    rerank = httpx.post(f"{server.url}/rerank", json={"query": texts[1], "documents": texts})
+    assert [result["index"] for result in rerank.json()["results"]] == [1, 0]
