@@ -92,12 +92,17 @@ class LLM:
         prompts = _prompt_list(prompts)
         token_ids = dict(self._add_all(prompts, [EMBEDDING] * len(prompts)))
         states: dict[str, tuple[float, ...]] = {}
-        while self.engine.has_unfinished_requests():
-            for delta in self.engine.step():
-                if delta.finished and delta.embedding is None:
-                    raise RequestFailedError(f"request {delta.request_id}: {delta.error}")
-                if delta.embedding is not None:
-                    states[delta.request_id] = delta.embedding
+        try:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    if delta.finished and delta.embedding is None:
+                        raise RequestFailedError(f"request {delta.request_id}: {delta.error}")
+                    if delta.embedding is not None:
+                        states[delta.request_id] = delta.embedding
+        except BaseException:  # leave nothing of this call in the engine
+            for request_id in token_ids:
+                self.engine.abort_request(request_id)
+            raise
         shape = normalized if normalize else list
         return [
             EmbeddingRequestOutput(request_id, ids, EmbeddingOutput(shape(states[request_id])))

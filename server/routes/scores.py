@@ -11,12 +11,12 @@ or two lists of the same length element by element. `/rerank` scores `documents`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from pagedserve.engine.embeddings import normalized
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.prompts import Prompt, check_model, completion_prompts, truncated
 from pagedserve.server.protocol import _Options
@@ -33,36 +33,48 @@ SECOND_SIDE = ("text_2", "documents", "items", "data_2")
 class _ScoringRequest(_Options):
     model: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    padding: Literal["do_not_pad"] | None = None
     priority: int = 0
+    cache_salt: str | None = Field(None, max_length=1024)
     user: str | None = None
 
 
+class TextObject(_Options):
+    """A document as Jina's and Cohere's clients send it."""
+
+    text: str
+
+
+Text = str | TextObject
+
+
 class ScoreRequest(_ScoringRequest):
-    text_1: str | list[str] | None = None
-    text_2: str | list[str] | None = None
-    queries: str | list[str] | None = None
-    documents: str | list[str] | None = None
-    items: str | list[str] | None = None
-    data_1: str | list[str] | None = None
-    data_2: str | list[str] | None = None
+    text_1: Text | list[Text] | None = None
+    text_2: Text | list[Text] | None = None
+    queries: Text | list[Text] | None = None
+    documents: Text | list[Text] | None = None
+    items: Text | list[Text] | None = None
+    data_1: Text | list[Text] | None = None
+    data_2: Text | list[Text] | None = None
 
 
 class RerankRequest(_ScoringRequest):
-    query: str
-    documents: list[str] = Field(min_length=1)
-    top_n: int = Field(0, ge=0)
-    return_documents: bool = True
+    query: Text
+    documents: list[Text] = Field(min_length=1)
+    top_n: int | None = Field(None, ge=0)
+    return_documents: bool = True  # Jina's and Cohere's (vLLM always returns them)
 
 
 @router.post("/score")
 @router.post("/v1/score")
 async def create_score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     first, second = _side(body, FIRST_SIDE), _side(body, SECOND_SIDE)
-    if len(first) > 1 and len(first) != len(second):
+    if len(first[1]) > 1 and len(first[1]) != len(second[1]):
         raise invalid_request(
-            f"{len(first)} first texts against {len(second)} second texts: give one first text, "
-            "or as many as second texts.",
-            FIRST_SIDE[0],
+            f"{len(first[1])} first texts against {len(second[1])} second texts: give one first "
+            "text, or as many as second texts.",
+            first[0],
         )
     scores, num_tokens, model = await _cosines(request, body, first, second)
     return {
@@ -79,11 +91,13 @@ async def create_score(body: ScoreRequest, request: Request) -> dict[str, Any]:
 @router.post("/v1/rerank")
 @router.post("/v2/rerank")
 async def create_rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
-    scores, num_tokens, model = await _cosines(request, body, [body.query], body.documents)
+    documents = [_text(document) for document in body.documents]
+    query = ("query", [_text(body.query)])
+    scores, num_tokens, model = await _cosines(request, body, query, ("documents", documents))
     order = sorted(range(len(scores)), key=lambda index: -scores[index])
     results = [
         {"index": index, "relevance_score": scores[index]}
-        | ({"document": {"text": body.documents[index]}} if body.return_documents else {})
+        | ({"document": {"text": documents[index]}} if body.return_documents else {})
         for index in order[: body.top_n or None]
     ]
     return {
@@ -94,33 +108,79 @@ async def create_rerank(body: RerankRequest, request: Request) -> dict[str, Any]
     }
 
 
-def _side(body: ScoreRequest, names: tuple[str, ...]) -> list[str]:
+def _text(value: Text) -> str:
+    return value if isinstance(value, str) else value.text
+
+
+def _side(body: ScoreRequest, names: tuple[str, ...]) -> tuple[str, list[str]]:
+    """The field that gives this side (exactly one of `names`) and its texts."""
     given = [name for name in names if getattr(body, name) is not None]
     if len(given) != 1:
         raise invalid_request(f"Give exactly one of {', '.join(names)}.", names[0])
     value = getattr(body, given[0])
-    texts = [value] if isinstance(value, str) else list(value)
+    texts = [_text(item) for item in (value if isinstance(value, list) else [value])]
     if not texts:
         raise invalid_request(f"{given[0]} must not be empty.", given[0])
-    return texts
+    return given[0], texts
 
 
 async def _cosines(
-    request: Request, body: _ScoringRequest, first: list[str], second: list[str]
+    request: Request,
+    body: _ScoringRequest,
+    first: tuple[str, list[str]],
+    second: tuple[str, list[str]],
 ) -> tuple[list[float], int, str]:
     """Each pair's cosine (the first text against each second one, or pairwise), the prompt
-    tokens embedded, and the model name to answer with."""
+    tokens of every input position (as vLLM counts them), and the model name to answer with."""
     engine = request.app.state.engine
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
-    texts = list(dict.fromkeys([*first, *second]))  # each distinct text embedded once
-    side = getattr(engine.tokenizer, "truncation_side", "right")  # as /v1/embeddings
-    prompts: list[Prompt] = [
-        truncated(prompt, body.truncate_prompt_tokens, engine, side, engine.max_model_len - 1)
-        for prompt in completion_prompts(texts, engine, True, "input")
-    ]
-    states = await embed_prompts(request, prompts, EmbeddingOptions(lora, body.priority))
-    unit = {text: normalized(state) for text, state in zip(texts, states, strict=True)}
-    pairs = zip(first * len(second) if len(first) == 1 else first, second, strict=True)
-    scores = [sum(a * b for a, b in zip(unit[x], unit[y], strict=True)) for x, y in pairs]
-    return scores, sum(len(prompt.token_ids) for prompt in prompts), lora or engine.model_name
+    for name in ("max_tokens_per_query", "max_tokens_per_doc"):  # vLLM's and Cohere's
+        if (body.model_extra or {}).get(name) is not None:
+            raise invalid_request(f"{name} is not supported; use truncate_prompt_tokens.", name)
+    tokens = {
+        **_tokenized(body, engine, *first),
+        **_tokenized(body, engine, *second),
+    }
+    texts = list(tokens)  # each distinct text embedded once
+    prompts = [tokens[text] for text in texts]
+    options = EmbeddingOptions(lora, body.priority, body.cache_salt)
+    states = await embed_prompts(request, prompts, options)
+    unit = torch.nn.functional.normalize(torch.tensor(states), dim=1)
+    index = {text: position for position, text in enumerate(texts)}
+    left, right = first[1], second[1]
+    rows = torch.tensor([index[text] for text in (left * len(right) if len(left) == 1 else left)])
+    columns = torch.tensor([index[text] for text in right])
+    scores = (unit[rows] * unit[columns]).sum(dim=1).tolist()
+    num_tokens = sum(len(tokens[text].token_ids) for text in (*left, *right))
+    return scores, num_tokens, lora or engine.model_name
+
+
+def _tokenized(
+    body: _ScoringRequest, engine: Any, name: str, texts: list[str]
+) -> dict[str, Prompt]:
+    """Each text of one side as its (truncated) prompt; a side longer than the server takes in
+    one request, or a text with no room, is a 400 naming the side's field."""
+    if len(texts) > engine.max_waiting_requests:
+        raise invalid_request(
+            f"At most {engine.max_waiting_requests} texts fit in {name} (the server's "
+            f"max_waiting_requests); got {len(texts)}.",
+            name,
+        )
+    side = body.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
+    longest = engine.max_model_len - 1  # room for the one token the engine samples
+    distinct = list(dict.fromkeys(texts))
+    prompts = {
+        text: truncated(prompt, body.truncate_prompt_tokens, engine, side, longest)
+        for text, prompt in zip(
+            distinct, completion_prompts(distinct, engine, True, name), strict=True
+        )
+    }
+    for position, text in enumerate(texts):
+        if len(prompts[text].token_ids) > longest:
+            raise invalid_request(
+                f"{name}[{position}] has {len(prompts[text].token_ids)} tokens; this model "
+                f"embeds at most {longest} (truncate_prompt_tokens -1 cuts to it).",
+                name,
+            )
+    return prompts

@@ -22,7 +22,7 @@ def test_one_text_against_a_list_and_two_lists_pairwise(client, engine: FakeEngi
     body = one.json()
     assert body["object"] == "list" and body["model"] == engine.model_name
     assert [item["score"] for item in body["data"]] == pytest.approx([1.0, _cosine(2, 10)])
-    assert body["usage"]["prompt_tokens"] == 2 + 10  # "ab" embedded once
+    assert body["usage"]["prompt_tokens"] == 2 + 2 + 10  # every input position, as vLLM
     pairwise = client.post(path, json={"queries": ["a", "abc"], "documents": ["abc", "abc"]})
     assert [item["score"] for item in pairwise.json()["data"]] == pytest.approx(
         [_cosine(1, 3), 1.0]
@@ -42,6 +42,20 @@ def test_rerank_orders_the_documents_best_first(client):
         "/rerank", json={"query": "a", "documents": ["b"], "return_documents": False}
     )
     assert "document" not in bare.json()["results"][0]
+    objects = {"query": {"text": "abcd"}, "documents": [{"text": "x"}, {"text": "abcd"}]}
+    ranked = client.post("/v2/rerank", json=objects).json()["results"]  # Jina's, Cohere's shape
+    assert [result["index"] for result in ranked] == [1, 0]
+    assert ranked[0]["document"] == {"text": "abcd"}
+
+
+def test_the_cache_salt_and_the_truncation_side_reach_the_engine(client, engine: FakeEngine):
+    body = {"query": "abcdef", "documents": ["xyz"], "truncate_prompt_tokens": 2}
+    for side, kept in ((None, b"ab"), ("left", b"ef")):
+        extra = {"cache_salt": "tenant"} | ({"truncation_side": side} if side else {})
+        assert client.post("/rerank", json=body | extra).status_code == 200
+        query = next(ids for _, ids, _ in engine.requests[-2:] if bytes(ids) in (b"ab", b"ef"))
+        assert bytes(query) == kept
+        assert {params.cache_salt for _, _, params in engine.requests[-2:]} == {"tenant"}
 
 
 @pytest.mark.parametrize(
@@ -51,7 +65,11 @@ def test_rerank_orders_the_documents_best_first(client):
         ("/score", {"text_1": "a", "queries": "a", "text_2": "b"}, "text_1"),
         ("/score", {"text_1": "a"}, "text_2"),
         ("/score", {"text_1": [], "text_2": "b"}, "text_1"),
-        ("/score", {"text_1": "a", "text_2": [""]}, "input"),
+        ("/score", {"text_1": "a", "text_2": [""]}, "text_2"),
+        ("/rerank", {"query": "a", "documents": ["b"] * 9}, "documents"),  # over 8 in flight
+        ("/rerank", {"query": "a", "documents": ["b"], "max_tokens_per_doc": 5}, "max_tokens"),
+        ("/rerank", {"query": "a", "documents": ["b"], "padding": "max_length"}, "padding"),
+        ("/score", {"text_1": "a", "text_2": ["b" * 70]}, "text_2"),
         ("/rerank", {"query": "a", "documents": []}, "documents"),
         ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
     ],
