@@ -43,6 +43,7 @@ class IncrementalDetokenizer:
         )  # chars that may start a stop string
         self._pending = ""  # decoded but not yet emitted
         self.text = ""  # everything emitted so far
+        self.matched_stop: str | None = None  # the stop string that ended the text, once one has
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
@@ -97,4 +98,5 @@ class IncrementalDetokenizer:
         if hit is None:
             return text, False
         index, stop = hit
+        self.matched_stop = stop
         return text[: index + (len(stop) if self._include_stop else 0)], True

@@ -80,6 +80,7 @@ class LLM:
                     choice.logprobs.extend(delta.new_logprobs)
                 if delta.finished:
                     choice.finish_reason = delta.finish_reason
+                    choice.stop_reason = delta.stop_reason
         for output in outputs.values():
             output.finished = True
         return list(outputs.values())

@@ -273,6 +273,7 @@ class OutputProcessor:
             sequence.num_output_tokens,
             finished=True,
             finish_reason=sequence.status.finish_reason,
+            stop_reason=sequence.stop_reason(choice.detokenizer.matched_stop),
             error=error,
             num_cached_prompt_tokens=sequence.num_cached_tokens,
             timings=timings,

@@ -44,6 +44,7 @@ class RequestDelta:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (final)
     num_cached_prompt_tokens: int = 0
     timings: RequestTimings | None = None  # set on the final delta of the request's last choice
     # With prompt logprobs: one entry per prompt token (None for the first), on the choice's
@@ -62,6 +63,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
 @dataclass(slots=True)

@@ -162,6 +162,18 @@ class Request:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def stop_reason(self, matched_stop: str | None) -> int | str | None:
+        """vLLM's `stop_reason` of a finished sequence: the stop string that ended its text
+        (`matched_stop`, from the detokenizer) or the `stop_token_ids` entry that ended it; None
+        when EOS, the length, a grammar or an abort did."""
+        if self.status != RequestStatus.FINISHED_STOPPED:
+            return None
+        if matched_stop is not None:
+            return matched_stop
+        last = self.output_token_ids[-1] if self.output_token_ids else None
+        eos = last == self.eos_token_id and not self.sampling_params.ignore_eos
+        return last if last in self.sampling_params.stop_token_ids and not eos else None
+
     def append_run(
         self, token_ids: list[int], max_model_len: int
     ) -> tuple[list[int], RequestStatus | None]:

@@ -48,6 +48,7 @@ class ChatChoiceText:
         self.token_ids: list[int] = []
         self.logprobs: ChatLogprobs | None = None
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # vLLM's: the stop string or token that ended it
 
     def take(self, text: str) -> ChoicePiece:
         reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)

@@ -368,11 +368,20 @@ def _drop_unasked(data: dict[str, Any], keys: tuple[str, ...] = _ON_REQUEST) -> 
     return data
 
 
+def _with_finish(data: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `stop_reason` (the stop string or stop token id that ended the choice; null for EOS,
+    the length or an abort) rides with a choice's `finish_reason`: on final choices only."""
+    if data.get("finish_reason") is None:
+        data.pop("stop_reason", None)
+    return _drop_unasked(data)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     # return_token_ids (vLLM puts the prompt's on each choice here, on its first chunk when
     # streaming; a chunk's token_ids are the ones it adds)
@@ -381,7 +390,7 @@ class CompletionChoice(BaseModel):
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
-        return _drop_unasked(handler(self))
+        return _with_finish(handler(self))
 
 
 class CompletionResponse(BaseModel):
@@ -423,11 +432,12 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # return_token_ids
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
-        return _drop_unasked(handler(self))
+        return _with_finish(handler(self))
 
 
 class ChatCompletionResponse(BaseModel):
@@ -463,11 +473,12 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # return_token_ids: the ones this chunk adds
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
-        return _drop_unasked(handler(self))
+        return _with_finish(handler(self))
 
 
 class ChatCompletionChunk(BaseModel):

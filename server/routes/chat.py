@@ -317,15 +317,16 @@ async def _stream_chunks(
             content = ChatDelta(content=text or None, reasoning=reasoning or None)
             fields = {"logprobs": logprobs, "token_ids": token_ids}
             finish_reason = choice.finish_reason if delta.finished else None
+            finish = {"finish_reason": finish_reason, "stop_reason": delta.stop_reason}
             if not calls:
-                yield chunk(delta.index, content, finish_reason=finish_reason, **fields)
+                yield chunk(delta.index, content, **finish, **fields)
                 continue
             if reasoning or text or logprobs or token_ids:
                 yield chunk(delta.index, content, **fields)
             for call in calls:  # a call's id and name first, then its arguments as they come
                 yield chunk(delta.index, ChatDelta(tool_calls=[call]))
             if finish_reason is not None:
-                yield chunk(delta.index, ChatDelta(), finish_reason=finish_reason)
+                yield chunk(delta.index, ChatDelta(), **finish)
     if include_usage:
         yield ChatCompletionChunk(**header, choices=[], usage=recorder.usage())
 
@@ -359,6 +360,7 @@ async def _collect(
                     )
                 )
             choice.finish_reason = delta.finish_reason or choice.finish_reason
+            choice.stop_reason = delta.stop_reason if delta.finished else choice.stop_reason
     results = []
     for index, choice in enumerate(choices):
         piece = choice.take(choice.text) + choice.finish(choice.finish_reason)
@@ -376,6 +378,7 @@ async def _collect(
                 message=message,
                 logprobs=choice.logprobs,
                 finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
                 token_ids=choice.token_ids if output.token_ids else None,
             )
         )

@@ -160,6 +160,7 @@ async def _stream_chunks(
                 text=text,
                 logprobs=logprobs,
                 finish_reason=delta.finish_reason,
+                stop_reason=delta.stop_reason,
                 token_ids=token_ids,
             )
             if return_token_ids and key not in started:
@@ -206,6 +207,7 @@ async def _collect(
                     choice_text.tokenizer, delta.prompt_logprobs, num_prompt_top
                 )
             result.finish_reason = delta.finish_reason or result.finish_reason
+            result.stop_reason = delta.stop_reason if delta.finished else result.stop_reason
     ordered = sorted(results.values(), key=lambda choice: choice.index)
     return CompletionResponse(**header, choices=ordered, usage=recorder.usage())
 

@@ -395,6 +395,7 @@ class EngineRun:
     token_ids: dict = field(default_factory=dict)
     texts: dict = field(default_factory=dict)
     finish_reasons: dict = field(default_factory=dict)
+    stop_reasons: dict = field(default_factory=dict)  # vLLM's stop_reason of each finished choice
     prompt_logprobs: dict = field(default_factory=dict)  # key -> the entries, sent once
     plans: list[SchedulerOutput] = field(default_factory=list)
     max_ref_counts: list[int] = field(
@@ -431,6 +432,7 @@ def run_to_completion(
             run.texts[key] = run.texts.get(key, "") + delta.new_text
             if delta.finished:
                 run.finish_reasons[key] = delta.finish_reason
+                run.stop_reasons[key] = delta.stop_reason
             if delta.prompt_logprobs is not None:
                 assert key not in run.prompt_logprobs, f"{key}: prompt logprobs sent twice"
                 run.prompt_logprobs[key] = delta.prompt_logprobs

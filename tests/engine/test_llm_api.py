@@ -113,7 +113,7 @@ def test_stop_string_ends_the_text_before_it(llm):
     (output,) = llm.generate(
         "List three fruits:", SamplingParams(temperature=0.0, max_tokens=16, stop=(stop,))
     )
-    assert output.outputs[0].finish_reason == "stop"
+    assert output.outputs[0].finish_reason == "stop" and output.outputs[0].stop_reason == stop
     assert output.outputs[0].text == text[: text.index(stop)]
 
 

@@ -54,6 +54,8 @@ def test_a_stop_string_completed_by_the_last_allowed_token_finishes_as_stop(tiny
     run = run_to_completion(engine)
     assert run.token_ids["stopped"] == free.token_ids["free"]
     assert run.finish_reasons["stopped"] == "stop"
+    assert run.stop_reasons == {"stopped": last_piece}  # vLLM's stop_reason: the string matched
+    assert free.stop_reasons == {"free": None}  # finished by length
     assert run.texts["stopped"] == free.texts["free"][: len(free.texts["free"]) - len(last_piece)]
 
 

@@ -363,9 +363,25 @@ def test_a_stop_token_ends_the_output_without_its_text_unless_asked(
     run = run_to_completion(engine)
     tokens = run.token_ids["r"]
     assert len(tokens) == 3 and tokens[2] == stop_id and stop_id not in tokens[:2]
-    assert run.finish_reasons["r"] == "stop"
+    assert run.finish_reasons["r"] == "stop" and run.stop_reasons["r"] == stop_id
     expected = default_tokenizer.decode(tokens if include_stop else tokens[:2])
     assert run.texts["r"] == expected
+
+
+@pytest.mark.parametrize("listed", [False, True])
+def test_eos_is_no_stop_reason_even_when_listed_in_stop_token_ids(tiny_loaded, listed):
+    engine = make_engine(tiny_loaded, block_size=4)
+    eos = engine.tokenizer.eos_token_id
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=10,
+        stop_token_ids=(eos,) if listed else (),
+        logit_bias={eos: 100.0},
+    )
+    engine.add_request("r", [5, 6, 7], params)
+    run = run_to_completion(engine)
+    assert run.token_ids["r"] == [eos] and run.finish_reasons["r"] == "stop"
+    assert run.stop_reasons["r"] is None  # as vLLM: EOS has precedence over the listed id
 
 
 def test_n4_shares_prompt_blocks_then_diverges_by_copy_on_write_and_frees_everything(tiny_loaded):

@@ -277,11 +277,13 @@ def test_stop_strings_end_the_text_before_the_stop_string(client, model, offline
     cut = full_completion.find(completion_stop)
     assert plain.choices[0].text == full_completion[:cut]
     assert plain.choices[0].finish_reason == "stop"
+    assert plain.choices[0].stop_reason == completion_stop  # vLLM's field: the string matched
     assert included.choices[0].text == full_completion[: cut + len(completion_stop)]
     assert "".join(chunk.choices[0].text for chunk in streamed) == full_completion[:cut]
     assert streamed[-1].choices[0].finish_reason == "stop"
+    assert streamed[-1].choices[0].stop_reason == completion_stop
     assert chat.choices[0].message.content == full_chat[: full_chat.find(chat_stop)]
-    assert chat.choices[0].finish_reason == "stop"
+    assert chat.choices[0].finish_reason == "stop" and chat.choices[0].stop_reason == chat_stop
 
 
 def test_chat_continues_a_prefilled_assistant_message(client, model, offline, server):

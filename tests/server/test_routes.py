@@ -36,6 +36,7 @@ def test_completion_defaults_to_16_tokens_and_stops_at_eos(client, engine):
         "text": "abcdefgh",
         "logprobs": None,
         "finish_reason": "stop",
+        "stop_reason": None,  # vLLM's: EOS is no stop string or stop token id
     }
     assert engine.requests[0][2].max_tokens == 16
 

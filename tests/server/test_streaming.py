@@ -33,7 +33,8 @@ def test_completion_stream_chunks_then_done(client):
         assert set(chunk) == {"id", "object", "created", "model", "choices"}  # no usage key
         assert chunk["object"] == "text_completion"
         (choice,) = chunk["choices"]
-        assert set(choice) == {"index", "text", "logprobs", "finish_reason"}
+        final = {"stop_reason"} if choice["finish_reason"] else set()  # vLLM's, with the reason
+        assert set(choice) == {"index", "text", "logprobs", "finish_reason", *final}
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == "abc"
     assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None, None, "length"]
 
@@ -126,6 +127,7 @@ def test_chat_stream_ends_with_stop_at_eos(client):
         "delta": {},
         "logprobs": None,
         "finish_reason": "stop",
+        "stop_reason": None,
     }
 
 
