@@ -101,7 +101,7 @@ class TimedRun:
 
 async def run_once(config: Any, loaded: Any, prompts: list[list[int]], args, phase: int) -> dict:
     from pagedserve.configs import SamplingParams
-    from pagedserve.engine import async_engine as async_engine_module
+    from pagedserve.engine import between_steps as between_steps_module
     from pagedserve.engine.async_engine import AsyncEngine
     from pagedserve.engine.llm_engine import LLMEngine
 
@@ -109,7 +109,7 @@ async def run_once(config: Any, loaded: Any, prompts: list[list[int]], args, pha
     timed = TimedRun(engine, phase, args.window_s)
     async_engine = AsyncEngine(config)
     async_engine.engine = engine
-    take_state = async_engine_module.take_engine_state  # timed where it runs: the engine thread
+    take_state = between_steps_module.take_engine_state  # timed where it runs: the engine thread
 
     def timed_take_state(running: Any) -> Any:
         start, start_cpu = time.perf_counter(), time.thread_time()
@@ -118,8 +118,8 @@ async def run_once(config: Any, loaded: Any, prompts: list[list[int]], args, pha
         timed.snapshot_cpu_seconds.append(time.thread_time() - start_cpu)
         return raw
 
-    async_engine_module.take_engine_state = timed_take_state
-    build = async_engine_module.build_engine_state  # timed where it runs: on the event loop
+    between_steps_module.take_engine_state = timed_take_state
+    build = between_steps_module.build_engine_state  # timed where it runs: on the event loop
 
     def timed_build(raw: Any) -> Any:
         start_cpu = time.thread_time()
@@ -127,7 +127,7 @@ async def run_once(config: Any, loaded: Any, prompts: list[list[int]], args, pha
         timed.build_cpu_seconds.append(time.thread_time() - start_cpu)
         return state
 
-    async_engine_module.build_engine_state = timed_build
+    between_steps_module.build_engine_state = timed_build
     await async_engine.start()
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
 
@@ -147,8 +147,8 @@ async def run_once(config: Any, loaded: Any, prompts: list[list[int]], args, pha
     done.set()
     polls = await poller
     await async_engine.shutdown()
-    async_engine_module.build_engine_state = build
-    async_engine_module.take_engine_state = take_state
+    between_steps_module.build_engine_state = build
+    between_steps_module.take_engine_state = take_state
     if num_tokens != len(prompts) * args.output_tokens:
         raise RuntimeError(f"{num_tokens} tokens, expected {len(prompts) * args.output_tokens}")
     return {

@@ -130,6 +130,16 @@ class BlockPool:
             return None
         return block
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's /reset_prefix_cache, SGLang's /flush_cache), so the
+        next requests compute their prompts whole. Only while no block is referenced: a running
+        request's shared blocks stay as they are. Returns whether the cache was reset."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in list(self._hash_to_block.values()):
+            self._evict(block)
+        return True
+
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             del self._hash_to_block[block.block_hash]

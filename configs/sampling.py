@@ -201,13 +201,12 @@ class SamplingParams:
             "prompt_logprobs",
             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
         )
-        # 0 only when the prompt itself is the answer (its logprobs): the request then ends right
-        # after its prefill, with no output token.
-        min_max_tokens = 0 if self.prompt_logprobs is not None else 1
+        # 0: the request ends right after its prefill, with no output token (its prompt
+        # logprobs are the answer, or it only fills the prefix cache: SGLang's warm-up).
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= min_max_tokens,
+            isinstance(self.max_tokens, int) and self.max_tokens >= 0,
             "max_tokens",
-            f"max_tokens must be at least 1 (0 only with prompt logprobs), got {self.max_tokens}",
+            f"max_tokens must be at least 0, got {self.max_tokens}",
         )
         _check(
             isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,

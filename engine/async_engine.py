@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedserve.configs import EngineConfig, SamplingParams
+from pagedserve.engine.between_steps import BetweenSteps
 from pagedserve.engine.errors import (
     EngineDeadError,
     EngineError,
@@ -29,12 +30,10 @@ from pagedserve.engine.inputs import ValidatedRequest
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import EngineStats, RequestDelta
 from pagedserve.engine.runtime_lora import RuntimeLoRA
-from pagedserve.engine.state import EngineState, build_engine_state, take_engine_state
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # how long an idle engine thread blocks on its command queue
-_STATE_TIMEOUT_S = 30.0  # a snapshot waits for at most the step in progress; this is a backstop
 
 
 def _engine_attribute(name: str) -> property:
@@ -42,7 +41,7 @@ def _engine_attribute(name: str) -> property:
     return property(lambda self: getattr(self._engine, name), doc=f"The engine's {name}.")
 
 
-class AsyncEngine(RuntimeLoRA):
+class AsyncEngine(RuntimeLoRA, BetweenSteps):
     """Implements `engine.client.EngineClient` over a threaded `LLMEngine`."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -154,15 +153,6 @@ class AsyncEngine(RuntimeLoRA):
 
     def stats(self) -> EngineStats:
         return self._engine.stats() if self.engine is not None else EngineStats()
-
-    async def engine_state(self) -> EngineState:
-        """The block pool and queues, snapshotted on the engine thread between steps."""
-        call = self._on_engine_thread(take_engine_state)
-        try:
-            raw = await asyncio.wait_for(call, _STATE_TIMEOUT_S)
-        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-            raise EngineDeadError("the engine did not answer a state request in time") from None
-        return build_engine_state(raw)
 
     async def _on_engine_thread(self, call: Any) -> Any:
         """`call(engine)`, run on the engine thread between two steps; its result or exception."""

@@ -48,6 +48,10 @@ class EngineClient(Protocol):
         """The block pool and the queues between two steps (raises EngineDeadError if down)."""
         ...
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block if no request is queued or running; whether it did."""
+        ...
+
     async def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> None:
         """Serve a PEFT folder as adapter `name` (engine/runtime_lora.py); raises LoRAError."""
         ...

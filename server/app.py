@@ -25,8 +25,10 @@ from pagedserve.server.response_store import ResponseStore
 from pagedserve.server.routes import (
     chat,
     completions,
+    control,
     embeddings,
     engine_state,
+    generate,
     lora,
     models,
     responses,
@@ -79,8 +81,10 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
     app = FastAPI(title="pagedserve", lifespan=_lifespan, strict_content_type=False)
     app.state.config, app.state.engine = config, engine
     app.state.response_store = ResponseStore(parse_bytes(config.server.responses_store_memory))
-    generation = (completions, chat, responses, embeddings, scores)
-    for family in (*generation, models, tokenize, system, router_support, engine_state):
+    app.state.engine_requests = set()  # ids of the engine requests in flight (server/generation.py)
+    generation = (completions, chat, responses, embeddings, scores, generate)
+    operation = (models, tokenize, system, router_support, control, engine_state)
+    for family in (*generation, *operation):
         app.include_router(family.router)
     if config.model.allow_runtime_lora_updating:
         app.include_router(lora.router)

@@ -80,38 +80,49 @@ async def _recorded(stream: AsyncIterator[Item], recorder: RequestRecorder) -> A
         recorder.close(unfinished_reason)
 
 
+async def _registered(
+    stream: AsyncIterator[Item], ids: list[str], registry: set[str]
+) -> AsyncIterator[Item]:
+    """The engine requests in flight, by id, for /abort_request (server/routes/control.py)."""
+    registry.update(ids)
+    try:
+        async for item in stream:
+            yield item
+    finally:
+        registry.difference_update(ids)
+
+
 async def start_generation(
-    request: Request, inputs: list[EngineInput], recorder: RequestRecorder
+    request: Request,
+    inputs: list[EngineInput],
+    recorder: RequestRecorder,
+    engine_ids: list[str] | None = None,
 ) -> AsyncIterator[Item]:
     """Queue every prompt and wait for the first delta, so that engine errors raised before it
-    (invalid, overloaded, dead) still become HTTP errors; then return the whole stream."""
+    (invalid, overloaded, dead) still become HTTP errors; then return the whole stream.
+    `engine_ids`: each prompt's engine request id (default: the HTTP request's id and its index;
+    SGLang's /generate names them by its `rid`)."""
     engine: EngineClient = request.app.state.engine
-    request_id = recorder.request_id
+    ids = engine_ids or [engine_request_id(recorder.request_id, i) for i in range(len(inputs))]
     streams = [
-        engine.generate(
-            item.token_ids, item.params, engine_request_id(request_id, index), item.priority
-        )
+        engine.generate(item.token_ids, item.params, request_id, item.priority)
         if item.beam is None
-        else beam_search(
-            engine,
-            item.token_ids,
-            item.beam,
-            engine_request_id(request_id, index),
-            item.priority,
-        )
-        for index, item in enumerate(inputs)
+        else beam_search(engine, item.token_ids, item.beam, request_id, item.priority)
+        for request_id, item in zip(ids, inputs, strict=True)
     ]
 
     async def abort_all() -> None:
         # Closing the iterators already aborts; an explicit abort also covers a request the
         # engine has accepted but whose iterator never got to run.
-        for index in range(len(inputs)):
-            await engine.abort(engine_request_id(request_id, index))
+        for request_id in ids:
+            await engine.abort(request_id)
 
     guarded = until_stopped(
         merge_streams(streams), request.receive, request.app.state.stop_requests, abort_all
     )
-    stream = _recorded(guarded, recorder)
+    sampled = [rid for rid, item in zip(ids, inputs, strict=True) if item.beam is None]
+    registered = _registered(guarded, sampled, request.app.state.engine_requests)
+    stream = _recorded(registered, recorder)
     try:
         first = await anext(stream)
     except BaseException:

@@ -180,6 +180,10 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> ChatRun:
     max_tokens = resolve_max_tokens(
         requested, None, len(prompt.token_ids), engine.max_model_len, "messages", max_tokens_param
     )
+    if max_tokens == 0 and body.prompt_logprobs is None:
+        raise invalid_request(
+            f"{max_tokens_param} 0 returns no reply: it needs prompt_logprobs.", max_tokens_param
+        )
     num_top = _logprobs_count(body)
     if body.stream and body.prompt_logprobs is not None:  # as vLLM
         raise invalid_request("prompt_logprobs is not available when streaming.", "prompt_logprobs")

@@ -275,3 +275,20 @@ def test_ref_counts_and_free_count_agree_after_any_operation_sequence(num_blocks
         assert [b.ref_count for b in pool.blocks] == expected_refs
         assert pool.num_free_blocks == expected_refs.count(0)
         pool.check_invariants()
+
+
+def test_reset_prefix_cache_forgets_every_cached_block_only_while_none_is_referenced():
+    pool = BlockPool(num_blocks=3)
+    first, second = pool.allocate(2)
+    pool.cache(first, 1, None, (1,))
+    pool.cache(second, 2, 1, (2,))
+    pool.release(first)
+    assert not pool.reset_prefix_cache()  # `second` is still referenced: nothing changes
+    assert pool.lookup(1, None, (1,)) is first and pool.lookup(2, 1, (2,)) is second
+    pool.release(second)
+    assert pool.reset_prefix_cache()
+    assert pool.lookup(1, None, (1,)) is None and pool.lookup(2, 1, (2,)) is None
+    assert all(block.block_hash is None for block in pool.blocks)
+    assert pool.num_free_blocks == 3
+    pool.check_invariants()
+    assert len(pool.allocate(3)) == 3

@@ -194,7 +194,6 @@ def test_cache_config_rejects_unparseable_memory_budget():
         ("min_p", 1.5),
         ("n", 0),
         ("n", 17),
-        ("max_tokens", 0),
         ("max_tokens", -5),
         ("logprobs", 21),
         ("logprobs", -1),

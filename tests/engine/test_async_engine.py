@@ -72,6 +72,31 @@ def test_a_request_id_reused_after_an_early_close_gets_only_its_own_deltas(tiny_
     assert deltas[-1].num_output_tokens == 3
 
 
+def test_the_prefix_cache_is_reset_between_steps_only_while_nothing_is_in_flight(tiny_loaded):
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    async def cached_tokens(engine: AsyncEngine, request_id: str) -> int:
+        deltas = [delta async for delta in engine.generate(PROMPT * 3, params, request_id)]
+        return deltas[-1].num_cached_prompt_tokens
+
+    async def scenario() -> tuple:
+        engine = started_engine(tiny_loaded, step_delay_s=0.01)
+        await engine.start()
+        cold, warm = await cached_tokens(engine, "a"), await cached_tokens(engine, "b")
+        long = engine.generate(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True), "long")
+        await anext(long)
+        busy = await engine.reset_prefix_cache()  # "long" holds blocks: refused
+        await long.aclose()
+        while not await engine.reset_prefix_cache():  # once its abort has been processed
+            await asyncio.sleep(0.01)
+        after = await cached_tokens(engine, "c")
+        await engine.shutdown()
+        return cold, warm, busy, after
+
+    cold, warm, busy, after = asyncio.run(scenario())
+    assert (cold, warm, busy, after) == (0, 20, False, 0)  # 21 tokens: 5 full blocks of 4
+
+
 def test_a_request_arriving_during_shutdown_is_refused_not_left_waiting(tiny_loaded):
     async def scenario() -> None:
         engine = started_engine(tiny_loaded)

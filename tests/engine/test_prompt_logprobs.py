@@ -171,9 +171,22 @@ def test_n_choices_share_the_parents_prompt_logprobs_and_its_blocks(tiny_loaded)
     )
 
 
-def test_max_tokens_zero_needs_prompt_logprobs():
+def test_max_tokens_zero_alone_only_prefills_and_fills_the_prefix_cache(tiny_loaded):
+    """SGLang's warm-up (max_new_tokens 0): the prompt is computed, nothing is sampled, and the
+    next request with that prompt starts from the cache."""
+    token_ids = _prompts([50])["p50"]
+    engine = make_engine(tiny_loaded, block_size=4, enable_prefix_caching=True)
+    engine.add_request("warm", token_ids, SamplingParams(max_tokens=0))
+    run = run_to_completion(engine)
+    assert run.token_ids["warm"] == [] and run.finish_reasons["warm"] == "length"
+    assert [s.needs_sample for plan in run.plans for s in plan.requests] == [False]
+    run = EngineRun()
+    record_plans(engine, run)
+    engine.add_request("after", token_ids, SamplingParams(temperature=0.0, max_tokens=1))
+    run_to_completion(engine, run)
+    assert run.plans[0].requests[0].start_position == 48
     with pytest.raises(SamplingParamsError) as error:
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     assert error.value.param == "max_tokens"
     with pytest.raises(SamplingParamsError):
         SamplingParams(prompt_logprobs=21)

@@ -34,13 +34,15 @@ MAX_PROMPTS = 3
 SCORING_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 GENERATION_PATHS = (
     *("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"),
-    *SCORING_PATHS,
+    *("/generate", *SCORING_PATHS),
 )
 MAX_TOKEN_FIELDS = {
     "/v1/responses": ("max_output_tokens",),
     "/v1/embeddings": (),  # one token each
+    "/generate": (),  # inside sampling_params (_cheap_sampling)
 } | {path: () for path in SCORING_PATHS}
 TEXT_LISTS = ("input", "documents", "text_1", "text_2", "queries", "items", "data_1", "data_2")
+TEXT_LISTS += ("text", "input_ids")  # SGLang's batches
 
 
 class _TimeIsUp(BaseException):
@@ -68,9 +70,28 @@ def _keep_it_cheap(path: str, body: Any) -> Any:
     if isinstance(body.get("messages"), list):
         body["messages"] = body["messages"][:4]
     for name in TEXT_LISTS:
-        if isinstance(body.get(name), list):
+        if isinstance(body.get(name), list) and body[name] and not isinstance(body[name][0], int):
             body[name] = body[name][:4]
+    if path == "/generate":
+        body["sampling_params"] = _cheap_sampling(body.get("sampling_params"))
     return body
+
+
+def _cheap_sampling(sampling: Any) -> Any:
+    """SGLang's sampling_params (absent or null: 128 tokens) at most MAX_GENERATED_TOKENS long."""
+    if isinstance(sampling, list):
+        return [_cheap_sampling(entry) for entry in sampling]
+    if sampling is None:
+        return {"max_new_tokens": MAX_GENERATED_TOKENS}
+    if not isinstance(sampling, dict):
+        return sampling
+    sampling = dict(sampling)
+    value = sampling.get("max_new_tokens")
+    if value is None or (type(value) is int and value > MAX_GENERATED_TOKENS):
+        sampling["max_new_tokens"] = MAX_GENERATED_TOKENS
+    if type(sampling.get("n")) is int and sampling["n"] > 2:
+        sampling["n"] = 2
+    return sampling
 
 
 def _check_success(response: httpx.Response) -> None:

@@ -1,6 +1,7 @@
 """Acceptance: `pagedserve replicas -n 2` (real servers, default model, one core each) behind
 sglang-router on loopback. Load spreads over both replicas, a shared long system prompt stays on
-one replica under the cache-aware policy, and a replica killed mid-run loses only what it held."""
+one replica under the cache-aware policy, SGLang's /generate and /flush_cache pass through it, and
+a replica killed mid-run loses only what it held."""
 
 from __future__ import annotations
 
@@ -121,6 +122,17 @@ def test_client_errors_do_not_take_a_replica_out_of_the_rotation(replicas):
     assert [outcome.status for outcome in outcomes] == [200] * 8
     served = [num_finished(r.url) - b for r, b in zip(replicas.replicas, before, strict=True)]
     assert min(served) > 0, served
+
+
+def test_sglang_s_generate_and_flush_cache_go_through_the_router(replicas):
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 3}}
+    body["sampling_params"]["temperature"] = 0
+    answers = [httpx.post(replicas.url + "/generate", json=body, timeout=120) for _ in range(2)]
+    assert [answer.status_code for answer in answers] == [200, 200]
+    assert answers[0].json()["text"] == answers[1].json()["text"]
+    assert answers[0].json()["meta_info"]["completion_tokens"] == 3
+    flushed = httpx.post(replicas.url + "/flush_cache", timeout=60)  # fanned out to each replica
+    assert flushed.status_code == 200, flushed.text
 
 
 def test_killing_a_replica_mid_run_loses_only_its_in_flight_requests(replicas):

@@ -101,6 +101,9 @@ class FakeEngine:
         self.sampling_defaults: dict[str, float | int] = {}  # the model's generation config's
         self.lora_adapters: dict[str, str] = {}  # name -> folder, as AsyncEngine's
         self.lora_failure: Exception | None = None  # what the next load raises
+        self.prefix_cache_resets = 0
+        # An aborted request's hanging stream ends with an "abort" delta, as the engine's does.
+        self._abort_events: dict[str, asyncio.Event] = {}
 
     async def start(self) -> None:
         self.started = True
@@ -110,6 +113,12 @@ class FakeEngine:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+        self._abort_events.setdefault(request_id, asyncio.Event()).set()
+
+    async def reset_prefix_cache(self) -> bool:
+        """As AsyncEngine: only while nothing is in flight."""
+        self.prefix_cache_resets += self.in_flight == 0
+        return self.in_flight == 0
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -241,7 +250,15 @@ class FakeEngine:
                     if self.fail_after_first_delta is not None:
                         raise self.fail_after_first_delta
                     if self.hang_after_first_delta:
-                        await asyncio.Event().wait()
+                        aborted = self._abort_events.setdefault(request_id, asyncio.Event())
+                        await aborted.wait()
+                        for index in set(range(params.n)) - finished:
+                            finished.add(index)
+                            yield RequestDelta(
+                                request_id, index, (), "", None, len(prompt_token_ids), step + 1,
+                                True, "abort",
+                            )  # fmt: skip
+                        return
                 await asyncio.sleep(0)
         finally:
             self.in_flight -= 1

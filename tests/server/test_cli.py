@@ -102,7 +102,7 @@ def test_generate_checks_its_sampling_arguments_before_loading_the_model(capsys,
         "pagedserve.server.cli._generate", lambda *args: pytest.fail("the model was loaded")
     )
     with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "hi", "--max-tokens", "0"])
+        main(["generate", "hi", "--max-tokens", "-1"])
     assert exit_info.value.code == 2
     assert "max_tokens" in capsys.readouterr().err
 

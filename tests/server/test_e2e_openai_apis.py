@@ -2,8 +2,10 @@
 the OpenAI Agents SDK: tool calling ("required" and named tool_choice always return calls whose
 arguments validate against the tool's schema; streamed deltas concatenate to the same calls), the
 Responses API (the answer chat gives, streamed, stored and continued; the Agents SDK's default
-model calling a tool through it), and embeddings (Hugging Face's final hidden states) with the
-scores and rerankings their cosines give."""
+model calling a tool through it), embeddings (Hugging Face's final hidden states) with the
+scores and rerankings their cosines give; and over raw HTTP, SGLang's /generate (the answers and
+logprobs /v1/completions gives, streamed, stopped, prompt-scored), /flush_cache and
+/abort_request."""
 
 from __future__ import annotations
 
@@ -272,3 +274,95 @@ def test_embeddings_are_the_models_normalised_final_hidden_states(server, client
     )
     rerank = httpx.post(f"{server.url}/rerank", json={"query": texts[1], "documents": texts})
     assert [result["index"] for result in rerank.json()["results"]] == [1, 0]
+
+
+def _generate(server, **body) -> dict:
+    response = httpx.post(f"{server.url}/generate", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_sglang_s_generate_answers_as_completions_do(server, client, model_name):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    completion = client.completions.create(
+        model=model_name,
+        prompt=prompts,
+        max_tokens=12,
+        temperature=0,
+        logprobs=2,
+        extra_body={"return_token_ids": True},
+    )
+    batch = _generate(
+        server,
+        text=prompts,
+        return_logprob=True,
+        top_logprobs_num=2,
+        sampling_params={"max_new_tokens": 12, "temperature": 0},
+    )
+    by_ids = _generate(
+        server,
+        input_ids=completion.choices[0].prompt_token_ids,
+        sampling_params={"max_new_tokens": 12, "temperature": 0},
+    )
+    for choice, item in zip(completion.choices, batch, strict=True):
+        assert item["text"] == choice.text and item["output_ids"] == choice.token_ids
+        meta = item["meta_info"]
+        assert meta["prompt_tokens"] == len(choice.prompt_token_ids)
+        assert meta["finish_reason"] == {"type": "length", "length": 12}
+        assert meta["input_token_logprobs"] == []  # logprob_start_len -1: none of the prompt
+        got = [logprob for logprob, _, _ in meta["output_token_logprobs"]]
+        assert got == pytest.approx(choice.logprobs.token_logprobs, abs=1e-3)
+        assert [len(top) for top in meta["output_top_logprobs"]] == [2] * 12
+    assert by_ids["text"] == completion.choices[0].text
+
+
+def test_generate_streams_stops_scores_the_prompt_and_flush_cache_empties_the_cache(server):
+    prompt = "One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve"
+    greedy = {"max_new_tokens": 8, "temperature": 0}
+    whole = _generate(server, text=prompt, sampling_params=greedy)
+    with httpx.stream(
+        "POST",
+        f"{server.url}/generate",
+        json={"text": prompt, "stream": True, "sampling_params": greedy},
+        timeout=300,
+    ) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert chunks[-1]["text"] == whole["text"]  # cumulative: the last chunk is the answer
+    assert [len(chunk["output_ids"]) for chunk in chunks] == list(range(1, 9))
+    assert chunks[-1]["meta_info"]["cached_tokens"] > 0  # the same prompt, just computed
+    stop = whole["text"].split(",")[1] + ","
+    stopped = _generate(server, text=prompt, sampling_params={**greedy, "stop": [stop]})
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stopped["text"] == whole["text"][: whole["text"].index(stop)]
+    scored = _generate(
+        server,
+        text=prompt,
+        return_logprob=True,
+        logprob_start_len=0,
+        sampling_params={"max_new_tokens": 0},
+    )["meta_info"]
+    assert scored["input_token_logprobs"][0][0] is None
+    assert len(scored["input_token_logprobs"]) == scored["prompt_tokens"]
+    assert all(entry[0] < 0 for entry in scored["input_token_logprobs"][1:])
+    assert httpx.post(f"{server.url}/flush_cache").status_code == 200
+    after = _generate(server, text=prompt, sampling_params=greedy)
+    assert after["meta_info"]["cached_tokens"] == 0 and after["text"] == whole["text"]
+
+
+def test_generate_refuses_a_rid_in_flight_and_abort_request_ends_it(server):
+    body = {"text": "Count:", "rid": "long-job", "stream": True}
+    body["sampling_params"] = {"max_new_tokens": 400, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=300) as response:
+        lines = (line for line in response.iter_lines() if line)
+        next(lines)
+        again = httpx.post(f"{server.url}/generate", json={"text": "x", "rid": "long-job"})
+        assert again.status_code == 400 and "in flight" in again.json()["error"]["message"]
+        assert (
+            httpx.post(f"{server.url}/abort_request", json={"rid": "long-job"}).status_code == 200
+        )
+        rest = list(lines)
+    last = json.loads(rest[-2].removeprefix("data: "))
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < last["meta_info"]["completion_tokens"] < 400

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -63,3 +64,53 @@ def test_shutdown_ends_open_streams_with_a_final_event(served):
     assert '"code": "shutting_down"' in rest[-2]
     assert _wait_for(lambda: engine.shut_down)
     assert engine.aborted == [engine.requests[0][0]]
+
+
+def _data(line: str) -> dict:
+    return json.loads(line.removeprefix("data: "))
+
+
+def test_abort_request_ends_a_streamed_generate_with_an_abort_finish(served):
+    url, engine, _ = served
+    engine.hang_after_first_delta = True
+    body = {"text": "hi", "rid": "job", "stream": True}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=5) as response:
+        lines = (line for line in response.iter_lines() if line)
+        assert _data(next(lines))["meta_info"]["finish_reason"] is None
+        aborted = httpx.post(f"{url}/abort_request", json={"rid": "job"}, timeout=5)
+        assert (aborted.status_code, aborted.text) == (200, "")
+        rest = list(lines)
+    assert rest[-1] == "data: [DONE]"
+    last = _data(rest[-2])
+    assert last["text"] == "a" and last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert engine.aborted == ["job"]
+
+
+def test_abort_request_by_x_request_id_and_abort_all_reach_openai_requests(served):
+    url, engine, _ = served
+    engine.hang_after_first_delta = True
+    body = {"prompt": ["a", "b"], "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=5) as response:
+        lines = (line for line in response.iter_lines() if line)
+        next(lines)
+        request_id = response.headers["x-request-id"]
+        httpx.post(f"{url}/abort_request", json={"rid": request_id}, timeout=5)
+        reasons = [_data(line)["choices"][0]["finish_reason"] for line in lines if "{" in line]
+    assert reasons.count("abort") == 2 and sorted(engine.aborted) == [
+        f"{request_id}-0",
+        f"{request_id}-1",
+    ]
+    engine.aborted.clear()
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=5)
+        )
+    )
+    thread.start()
+    assert _wait_for(lambda: engine.in_flight == 1)
+    assert httpx.post(f"{url}/abort_request", json={"abort_all": True}).status_code == 200
+    thread.join(timeout=5)
+    assert answers[0].status_code == 200  # as SGLang: what it had, finished as aborted
+    assert answers[0].json()["choices"][0]["finish_reason"] == "abort"
+    assert len(engine.aborted) == 1
