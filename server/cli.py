@@ -1,4 +1,5 @@
-"""The `pagedserve` command: `serve` (HTTP server), `generate` (one offline prompt), `bench NAME`.
+"""The `pagedserve` command: `serve` (HTTP server), `generate` (one offline prompt), `run-batch`
+(a file of requests, offline), `replicas`, `bench NAME`.
 
 Engine flags are derived from the pydantic config fields, so `--help` always matches the config.
 Only flags the user actually gave reach `load_engine_config`, which keeps its precedence
@@ -107,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(generate, ENGINE_SECTIONS)
 
     _add_replicas_parser(commands)
+
+    run_batch = commands.add_parser(
+        "run-batch",
+        help="answer a JSONL file of requests in OpenAI's batch format offline (vLLM's run-batch)",
+        description="Other flags are `serve` flags (the model, the engine, parsers, templates).",
+    )
+    run_batch.add_argument("-i", "--input-file", required=True, help="the requests (JSONL)")
+    run_batch.add_argument("-o", "--output-file", required=True, help="the answers (JSONL)")
+    _add_config_flags(run_batch, list(SECTIONS))
 
     bench = commands.add_parser("bench", help="run a benchmark: benchmarks.<NAME>.main(args)")
     bench.add_argument("name", choices=BENCHMARKS)
@@ -233,10 +243,50 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: SamplingPa
     sys.stdout.write(output.outputs[0].text + "\n")
 
 
+def _checked_batch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Any]:
+    """The input file's requests, read before the model loads (a bad line: one error line)."""
+    from pathlib import Path
+
+    from pagedserve.server.run_batch import BatchInputError, read_batch
+
+    if not Path(args.output_file).resolve().parent.is_dir():
+        parser.error(f"the output file's folder does not exist: {args.output_file}")
+    try:
+        return read_batch(args.input_file)
+    except BatchInputError as exc:
+        parser.error(str(exc))
+
+
+def _run_batch(args: argparse.Namespace, config: EngineConfig, batch: list[Any]) -> None:
+    import asyncio
+
+    from pagedserve.server.run_batch import run_batch
+
+    if config.server.log_level != "debug":  # progress lines, not one line per request
+        for name in ("httpx", "pagedserve.server.recorder"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger(__name__).info(
+        "run-batch: %d requests from %s to %s", len(batch), args.input_file, args.output_file
+    )
+    try:
+        failed = asyncio.run(
+            run_batch(create_app(config), batch, args.output_file, config.server.api_key)
+        )
+    except Exception as exc:  # the engine did not start, or stopped: nothing was written
+        sys.stderr.write(f"pagedserve run-batch: {type(exc).__name__}: {exc}\n")
+        sys.exit(1)
+    logging.getLogger(__name__).info(
+        "run-batch: wrote %s (%d of %d requests answered with an error)",
+        args.output_file,
+        failed,
+        len(batch),
+    )
+
+
 def _checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
     try:
         config = config_from_args(args)
-        if args.command in ("serve", "generate"):
+        if args.command in ("serve", "generate", "run-batch"):
             from pagedserve.engine.chat_template import read_chat_template
             from pagedserve.engine.model_loader import check_model_found  # imports torch
 
@@ -267,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         result = importlib.import_module(f"pagedserve.benchmarks.{args.name}").main(args.args)
         sys.exit(result if isinstance(result, int) else 0)
     config = _checked_config(parser, args)
+    batch = _checked_batch(parser, args) if args.command == "run-batch" else None
     params = None
     if args.command == "generate":  # checked before the model loads
         try:
@@ -279,5 +330,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     if args.command == "serve":
         _serve(args, config)
+    elif args.command == "run-batch":
+        _run_batch(args, config, batch)
     else:
         _generate(args, config, params)

@@ -1,0 +1,200 @@
+"""`pagedserve run-batch -i requests.jsonl -o results.jsonl`: a file of requests in OpenAI's
+batch format (vLLM's `run-batch`), answered offline by the same app `serve` runs, in process.
+
+Each input line is `{"custom_id", "method": "POST", "url", "body"}`; each output line, in input
+order, `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`. A line
+is sent to the route its `url` names (`SUPPORTED_URLS`), through the app's middleware and
+handlers over an in-process ASGI transport, so validation, templates, parsers and errors are
+exactly the server's. A request the server refuses (a 4xx) becomes that line's `error`, with its
+status; the run goes on. The envelope of every line is checked before the model loads: a
+malformed line or a repeated `custom_id` stops the run with the line's number and writes nothing.
+
+Requests run concurrently, as many as the server admits at once (`--max-waiting-requests`; a
+429 is retried), answers are written in input order as they complete into a temporary file
+renamed over the output at the end, and progress is logged every `PROGRESS_EVERY_S` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_URLS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/generate",
+    *("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"),
+)
+PROGRESS_EVERY_S = 10.0
+RETRY_AFTER_S = 0.2  # a 429: the server's in-flight cap is full; another line will finish soon
+
+
+class BatchInputError(ValueError):
+    """The input file cannot be run; the message names the line."""
+
+
+class BatchRequestInput(BaseModel):
+    """One input line (OpenAI's batch format). Unknown keys are ignored, as vLLM does."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    custom_id: str = Field(min_length=1)
+    method: Literal["POST"]
+    url: str
+    body: dict[str, Any]
+
+
+@dataclass
+class _Progress:
+    total: int
+    done: int = 0
+    failed: int = 0
+    started: float = 0.0
+    last_report: float = 0.0
+
+    def count(self, status_code: int) -> None:
+        self.done += 1
+        self.failed += status_code != 200
+        now = time.monotonic()
+        if now - self.last_report >= PROGRESS_EVERY_S or self.done == self.total:
+            self.last_report = now
+            rate = self.done / max(now - self.started, 1e-9)
+            logger.info(
+                "run-batch: %d/%d requests done (%.0f%%, %.2f req/s, %d failed)",
+                self.done,
+                self.total,
+                100.0 * self.done / self.total,
+                rate,
+                self.failed,
+            )
+
+
+def read_batch(path: str) -> list[BatchRequestInput]:
+    """Every request of the file (blank lines skipped); raises BatchInputError naming the first
+    line that is not a request, or a `custom_id` given twice."""
+    requests, seen = [], set()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BatchInputError(f"cannot read {path}: {exc}") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            request = BatchRequestInput.model_validate_json(line)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"]) or "the line"
+            raise BatchInputError(f"{path}:{number}: {where}: {error['msg']}") from None
+        if request.custom_id in seen:
+            raise BatchInputError(f"{path}:{number}: custom_id {request.custom_id!r} repeats")
+        seen.add(request.custom_id)
+        requests.append(request)
+    return requests
+
+
+def _output_line(
+    request: BatchRequestInput, status_code: int, request_id: str | None, answer: Any
+) -> str:
+    ok = status_code == 200
+    return json.dumps(
+        {
+            "id": f"batch_req_{uuid.uuid4().hex}",
+            "custom_id": request.custom_id,
+            "response": {
+                "status_code": status_code,
+                "request_id": request_id,
+                "body": answer if ok else None,
+            },
+            "error": None if ok else answer,
+        },
+        ensure_ascii=False,
+    )
+
+
+async def _answer(
+    client: httpx.AsyncClient,
+    request: BatchRequestInput,
+    headers: dict[str, str],
+    engine_alive: Callable[[], bool],
+) -> tuple[int, str | None, Any]:
+    """(status, the server's request id, the body or the error) for one request."""
+    if request.url not in SUPPORTED_URLS:
+        supported = ", ".join(SUPPORTED_URLS)
+        return 400, None, f"URL {request.url} is not supported; supported: {supported}."
+    if request.body.get("stream"):
+        return 400, None, "Request must not be sent in stream mode."
+    while True:
+        response = await client.post(request.url, json=request.body, headers=headers)
+        if response.status_code != 429:
+            break
+        await asyncio.sleep(RETRY_AFTER_S)
+    if response.status_code == 503 and not engine_alive():  # every later line would fail too
+        raise RuntimeError(f"the engine stopped: {response.text}")
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = response.text
+    return response.status_code, response.headers.get("x-request-id"), answer
+
+
+async def run_batch(
+    app: FastAPI, requests: list[BatchRequestInput], output_path: str, api_key: str | None
+) -> int:
+    """Answer every request through `app` and write the output file; returns the number of
+    requests that did not get a 200."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    progress = _Progress(len(requests), started=time.monotonic(), last_report=time.monotonic())
+    target = Path(output_path)
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
+    try:
+        async with app.router.lifespan_context(app):
+            admitted = asyncio.Semaphore(app.state.engine.max_waiting_requests)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://run-batch", timeout=None
+            ) as client:
+
+                async def one(request: BatchRequestInput) -> str:
+                    async with admitted:
+                        status, request_id, answer = await _answer(
+                            client, request, headers, lambda: app.state.engine.is_alive
+                        )
+                    progress.count(status)
+                    return _output_line(request, status, request_id, answer)
+
+                with os.fdopen(handle, "w", encoding="utf-8") as output:
+                    await _write_in_order([one(r) for r in requests], output.write)
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return progress.failed
+
+
+async def _write_in_order(lines: list[Any], write: Callable[[str], Any]) -> None:
+    """Run the line coroutines together; write each answer once those before it are written."""
+    tasks = [asyncio.ensure_future(line) for line in lines]
+    try:
+        for task in tasks:
+            write(await task + "\n")
+    finally:
+        for task in tasks:
+            task.cancel()

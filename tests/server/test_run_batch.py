@@ -1,0 +1,139 @@
+"""`pagedserve run-batch` against the fake engine: every line answered in input order through the
+server's own routes (its refusals as that line's error), lines the server cannot take now (429)
+retried, the whole file's envelope checked before any model loads, and nothing written when the
+run fails. The real model answers a file in tests/server/test_e2e_run_batch.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from pagedserve.server.app import create_app
+from pagedserve.server.cli import main
+from pagedserve.server.run_batch import BatchInputError, read_batch, run_batch
+from tests.server.conftest import FakeEngine, make_config
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _line(custom_id: str, url: str, body: dict, method: str = "POST") -> str:
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body})
+
+
+def _run(tmp_path: Path, lines: list[str], engine: FakeEngine, **settings) -> list[dict]:
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    app = create_app(make_config(**settings), engine)
+    failed = asyncio.run(
+        run_batch(app, read_batch(str(source)), str(target), settings.get("api_key"))
+    )
+    answers = [json.loads(line) for line in target.read_text().splitlines()]
+    assert failed == sum(answer["response"]["status_code"] != 200 for answer in answers)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]  # no temp
+    return answers
+
+
+def test_every_line_is_answered_in_input_order_by_the_server_s_routes(tmp_path, engine):
+    lines = [
+        _line("chat", "/v1/chat/completions", CHAT),
+        _line("text", "/v1/completions", {"prompt": "hi", "max_tokens": 3}),
+        "",
+        _line("sglang", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1}}),
+        _line("embed", "/v1/embeddings", {"input": "hi"}),
+    ]
+    answers = _run(tmp_path, lines, engine)
+    assert [answer["custom_id"] for answer in answers] == ["chat", "text", "sglang", "embed"]
+    assert all(answer["response"]["status_code"] == 200 for answer in answers)
+    assert all(answer["error"] is None for answer in answers)
+    assert answers[0]["response"]["body"]["choices"][0]["message"]["content"] == "ab"
+    assert answers[1]["response"]["body"]["choices"][0]["text"] == "abc"
+    assert answers[2]["response"]["body"]["text"] == "a"
+    assert answers[3]["response"]["body"]["data"][0]["embedding"]
+    for answer in answers:  # the server's request id, which its log lines carry
+        assert answer["id"].startswith("batch_req_") and len(answer["response"]["request_id"]) == 32
+
+
+def test_refused_lines_carry_the_server_s_error_and_the_run_goes_on(tmp_path, engine):
+    lines = [
+        _line("bad-value", "/v1/completions", {"prompt": "hi", "temperature": -1}),
+        _line("no-route", "/v1/images/generations", {"prompt": "a cat"}),
+        _line("streamed", "/v1/chat/completions", {**CHAT, "stream": True}),
+        _line("unknown-model", "/v1/chat/completions", {**CHAT, "model": "other"}),
+        _line("fine", "/v1/chat/completions", CHAT),
+    ]
+    answers = _run(tmp_path, lines, engine)
+    statuses = [answer["response"]["status_code"] for answer in answers]
+    assert statuses == [400, 400, 400, 404, 200]
+    assert answers[0]["error"]["error"]["param"] == "temperature"
+    assert answers[0]["response"]["body"] is None
+    assert "not supported" in answers[1]["error"] and "stream mode" in answers[2]["error"]
+    assert answers[3]["error"]["error"]["code"] == "model_not_found"
+    assert len(engine.requests) == 1  # only the last line reached the engine
+
+
+def test_lines_beyond_what_the_server_admits_wait_and_all_succeed(tmp_path, engine, caplog):
+    # 12 lines of 3 prompts: far more engine requests than the fake's 8 in flight (a 429).
+    body = {"prompt": ["a", "b", "c"], "max_tokens": 2}
+    lines = [_line(f"r{i}", "/v1/completions", body) for i in range(12)]
+    with caplog.at_level(logging.INFO, logger="pagedserve.server.run_batch"):
+        answers = _run(tmp_path, lines, engine)
+    assert [answer["response"]["status_code"] for answer in answers] == [200] * 12
+    assert len(engine.requests) > 36  # the fake records refused tries too: some were retried
+    assert "run-batch: 12/12 requests done (100%" in caplog.text
+
+
+def test_the_api_key_the_server_asks_for_is_sent(tmp_path, engine):
+    answers = _run(tmp_path, [_line("a", "/v1/chat/completions", CHAT)], engine, api_key="k")
+    assert answers[0]["response"]["status_code"] == 200
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("{not json", ":2: the line: Invalid JSON"),
+        (_line("x", "/v1/completions", {}, method="GET"), ":2: method: Input should be 'POST'"),
+        (json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}), ":2: custom_id"),
+        (_line("first", "/v1/completions", {}), ":2: custom_id 'first' repeats"),
+        (json.dumps({"custom_id": "y", "method": "POST", "url": "/x", "body": []}), ":2: body"),
+    ],
+)
+def test_a_malformed_line_stops_the_run_naming_it(tmp_path, line, expected):
+    source = tmp_path / "in.jsonl"
+    source.write_text(_line("first", "/v1/completions", {}) + "\n" + line + "\n")
+    with pytest.raises(BatchInputError) as error:
+        read_batch(str(source))
+    assert expected in str(error.value)
+
+
+def test_the_command_checks_the_file_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(
+        "pagedserve.server.cli._run_batch", lambda *args: pytest.fail("the model was loaded")
+    )
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"custom_id": 1}\n')
+    for output in (tmp_path / "out.jsonl", tmp_path / "missing" / "out.jsonl"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["run-batch", "-i", str(source), "-o", str(output)])
+        assert exit_info.value.code == 2
+    errors = capsys.readouterr().err
+    assert "in.jsonl:1: custom_id" in errors and "folder does not exist" in errors
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_an_engine_that_does_not_start_leaves_no_output(tmp_path, engine):
+    async def broken_start() -> None:
+        raise RuntimeError("no model")
+
+    engine.start = broken_start  # type: ignore[method-assign]
+    (tmp_path / "out.jsonl").write_text("an earlier run's answers\n")
+    source = tmp_path / "in.jsonl"
+    source.write_text(_line("a", "/v1/chat/completions", CHAT) + "\n")
+    app = create_app(make_config(), engine)
+    with pytest.raises(RuntimeError, match="no model"):
+        asyncio.run(run_batch(app, read_batch(str(source)), str(tmp_path / "out.jsonl"), None))
+    assert (tmp_path / "out.jsonl").read_text() == "an earlier run's answers\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
