@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        default=argparse.SUPPRESS,
+        help="the model to serve, as `vllm serve MODEL` takes it (the same as --model)",
+    )
     _add_config_flags(serve, list(SECTIONS))
     serve.add_argument(
         "--timeout-graceful-shutdown",
@@ -170,6 +177,10 @@ def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> EngineConfig:
     given = {name: value for name, value in vars(args).items() if name in CONFIG_FIELDS}
+    if "model_tag" in vars(args):
+        if given.get("model", args.model_tag) != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag} and --model {given['model']}")
+        given["model"] = args.model_tag
     return load_engine_config(cli=given, config_file=args.config, environ=environ)
 
 

@@ -80,6 +80,17 @@ def test_only_given_flags_reach_the_loader():
     assert config.cache.block_size == 16
 
 
+def test_serve_takes_the_model_as_vllm_serve_does(capsys):
+    args = build_parser().parse_args(["serve", "/models/qwen", "--port", "9000"])
+    assert config_from_args(args, environ={}).model.model == "/models/qwen"
+    args = build_parser().parse_args(["serve", "/models/qwen", "--model", "/models/qwen"])
+    assert config_from_args(args, environ={}).model.model == "/models/qwen"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/models/a", "--model", "/models/b"])
+    assert exit_info.value.code == 2
+    assert "two models given" in capsys.readouterr().err
+
+
 def test_invalid_setting_exits_with_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--block-size", "0", "--max-num-seqs", "0"])
