@@ -65,6 +65,7 @@ class AsyncEngine(RuntimeLoRA, BetweenSteps):
     tokenizer = _engine_attribute("tokenizer")
     sampling_defaults = _engine_attribute("sampling_defaults")
     eos_token_ids = _engine_attribute("eos_token_ids")
+    classifier = _engine_attribute("classifier")
 
     @property
     def max_waiting_requests(self) -> int:

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from pagedserve.configs import SamplingParams
+from pagedserve.engine.classifier import ClassifierHead
 from pagedserve.engine.outputs import EngineStats, RequestDelta
 from pagedserve.engine.state import EngineState
 
@@ -19,6 +20,7 @@ class EngineClient(Protocol):
     sampling_defaults: dict[str, float | int]  # the model's, for fields a request leaves out
     eos_token_ids: tuple[int, ...]  # where the engine ends a choice (its generation config's)
     lora_adapters: dict[str, str]  # each served LoRA adapter's name and folder
+    classifier: ClassifierHead | None  # a sequence classifier's head (engine/classifier.py)
 
     @property
     def is_alive(self) -> bool: ...

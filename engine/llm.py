@@ -8,11 +8,13 @@ from typing import Any
 
 from pagedserve.configs import SamplingParams, load_engine_config
 from pagedserve.configs.engine import DEFAULT_MODEL, OFFLINE_MAX_NUM_BATCHED_TOKENS
+from pagedserve.engine.classifier import probabilities
 from pagedserve.engine.embeddings import normalized
 from pagedserve.engine.errors import RequestFailedError
 from pagedserve.engine.heap import freeze_startup_objects
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import (
+    ClassificationOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -109,6 +111,23 @@ class LLM:
             EmbeddingRequestOutput(request_id, ids, EmbeddingOutput(shape(states[request_id])))
             for request_id, ids in token_ids.items()
         ]
+
+    def classify(self, prompts: PromptInput | Sequence[PromptInput]) -> list[ClassificationOutput]:
+        """A sequence classifier's class probabilities for each prompt, in prompt order
+        (engine/classifier.py): softmax over its labels (a sigmoid for one label)."""
+        head = self.engine.classifier
+        if head is None:
+            raise ValueError("classify needs a sequence classifier (*ForSequenceClassification)")
+        token_ids = [
+            head.pooled(self.tokenizer.encode(p) if isinstance(p, str) else list(p))
+            for p in _prompt_list(prompts)
+        ]
+        outputs = []
+        for state in self.embed(token_ids, normalize=False):
+            logits = head.logits(state.outputs.embedding)
+            label = head.labels[max(range(head.num_labels), key=logits.__getitem__)]
+            outputs.append(ClassificationOutput(probabilities(logits), label, logits))
+        return outputs
 
     def _add_all(
         self, prompts: list[PromptInput], params_list: list[SamplingParams]

@@ -60,7 +60,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = config.model.served_model_name or config.model.model
         self.vocab_size = loaded.hf_config.vocab_size
-        self.max_model_len = loaded.max_model_len
+        self.max_model_len, self.classifier = loaded.max_model_len, loaded.classifier
         self.eos_token_ids = _eos_token_ids(loaded)
         spec = make_cache_spec(
             loaded.hf_config, loaded.model, config.cache.block_size, config.cache.kv_cache_dtype

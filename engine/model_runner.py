@@ -20,6 +20,7 @@ from pagedserve.cache.attention import AttentionBackend, AttentionMetadata
 from pagedserve.cache.attention.torch_ref import attend_over_histories
 from pagedserve.cache.cache_engine import CacheEngine
 from pagedserve.configs import ModelConfig, SamplingParams
+from pagedserve.engine.classifier import is_sequence_classifier
 from pagedserve.engine.embeddings import FinalHiddenStates
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.kept_rows import KeptRows, keeps_rows, kept_rows
@@ -132,6 +133,7 @@ class ModelRunner:
         check_paged_attention_support(model)
         self.keeps_rows = keeps_rows(model)
         self.hidden = FinalHiddenStates(model)
+        self.classifies = is_sequence_classifier(model.config)  # its LM head is untrained
 
     def prepare(self, plan: SchedulerOutput) -> PreparedBatch:
         input_ids: list[int] = []
@@ -207,11 +209,17 @@ class ModelRunner:
         return output.logits[0]
 
     def check_request(self, params: SamplingParams) -> None:
-        """Raises InvalidRequestError for a LoRA adapter not served, or an embedding this model
-        cannot give."""
+        """Raises InvalidRequestError for a LoRA adapter not served, an embedding this model
+        cannot give, or generation from a classifier."""
         check_lora(params.lora, self.lora)
         if params.embed and not self.hidden.available:
             raise InvalidRequestError("this model has no final norm to embed from", "model")
+        if self.classifies and not params.embed:
+            raise InvalidRequestError(
+                "this model is a sequence classifier: it serves /classify, /score, /rerank and "
+                "/v1/embeddings, not generation",
+                "model",
+            )
 
     def execute(self, plan: SchedulerOutput, embed: Collection[str] = ()) -> Tensor:
         """Logits of the step's rows; `embed`: sampling sequences whose final hidden state the

@@ -84,6 +84,15 @@ class EmbeddingOutput:
 
 
 @dataclass(slots=True)
+class ClassificationOutput:
+    """One prompt's class probabilities (offline API; vLLM's `probs`), best label and logits."""
+
+    probs: list[float]
+    label: str
+    logits: list[float]
+
+
+@dataclass(slots=True)
 class EmbeddingRequestOutput:
     """One prompt's embedding (offline API, vLLM's shape: `output.outputs.embedding`)."""
 

@@ -24,6 +24,7 @@ from pagedserve.server.middleware import (
 from pagedserve.server.response_store import ResponseStore
 from pagedserve.server.routes import (
     chat,
+    classify,
     completions,
     control,
     embeddings,
@@ -82,7 +83,7 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
     app.state.config, app.state.engine = config, engine
     app.state.response_store = ResponseStore(parse_bytes(config.server.responses_store_memory))
     app.state.engine_requests = set()  # ids of the engine requests in flight (server/generation.py)
-    generation = (completions, chat, responses, embeddings, scores, generate)
+    generation = (completions, chat, responses, embeddings, scores, classify, generate)
     operation = (models, tokenize, system, router_support, control, engine_state)
     for family in (*generation, *operation):
         app.include_router(family.router)

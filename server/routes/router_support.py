@@ -84,7 +84,9 @@ async def get_load(request: Request) -> list[dict[str, int]]:
 
 async def _one_token(engine: Any) -> bool:
     prompt_token_ids = engine.tokenizer.encode("ping", add_special_tokens=False)[:1] or [0]
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    # A classifier does not generate: its probe is an embedding request, which still runs a
+    # forward pass and produces (and drops) one token.
+    params = SamplingParams(max_tokens=1, temperature=0.0, embed=engine.classifier is not None)
     stream = engine.generate(prompt_token_ids, params, f"health-{uuid.uuid4().hex}")
     async with aclosing(stream):
         async for delta in stream:

@@ -1,9 +1,10 @@
 """POST /score and /rerank (vLLM's, also under /v1, and /v2/rerank as Cohere's clients call it):
-how close texts are, by the cosine of their embeddings (server/routes/embeddings.py), as vLLM
-scores with an embedding model. A cross-encoder's score (a classifier head read over the pair)
-is not computed: the served model is a decoder whose last-token state is the embedding.
+how close texts are, as vLLM scores them: with a generative or embedding model, by the cosine of
+their embeddings (server/routes/embeddings.py); with a sequence classifier of one label (a
+cross-encoder reranker, engine/classifier.py), by the sigmoid of its head over each pair, the
+two texts encoded together as the tokenizer encodes a pair.
 
-Every text of a request is embedded once, in one engine batch. `/score` pairs `text_1` (or
+Every text (or pair) of a request is computed once, in one engine batch. `/score` pairs `text_1` (or
 `queries`, `data_1`) with `text_2` (`documents`, `items`, `data_2`): one against each of a list,
 or two lists of the same length element by element. `/rerank` scores `documents` against
 `query` and returns them best first (`top_n` of them; 0: all).
@@ -17,10 +18,18 @@ import torch
 from fastapi import APIRouter, Request
 from pydantic import Field
 
+from pagedserve.engine.classifier import probabilities
 from pagedserve.server.errors import invalid_request
-from pagedserve.server.prompts import Prompt, check_model, completion_prompts, truncated
+from pagedserve.server.prompts import (
+    Prompt,
+    check_model,
+    completion_prompts,
+    encode_text,
+    truncated,
+)
 from pagedserve.server.protocol import _Options
 from pagedserve.server.request_fields import check_request_fields
+from pagedserve.server.routes.classify import classifier_of, pooled_prompts
 from pagedserve.server.routes.embeddings import EmbeddingOptions, embed_prompts
 
 router = APIRouter()
@@ -76,7 +85,7 @@ async def create_score(body: ScoreRequest, request: Request) -> dict[str, Any]:
             "text, or as many as second texts.",
             first[0],
         )
-    scores, num_tokens, model = await _cosines(request, body, first, second)
+    scores, num_tokens, model = await _scores(request, body, first, second)
     return {
         "id": f"score-{request.state.request_id}",
         "object": "list",
@@ -93,7 +102,7 @@ async def create_score(body: ScoreRequest, request: Request) -> dict[str, Any]:
 async def create_rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
     documents = [_text(document) for document in body.documents]
     query = ("query", [_text(body.query)])
-    scores, num_tokens, model = await _cosines(request, body, query, ("documents", documents))
+    scores, num_tokens, model = await _scores(request, body, query, ("documents", documents))
     order = sorted(range(len(scores)), key=lambda index: -scores[index])
     results = [
         {"index": index, "relevance_score": scores[index]}
@@ -124,13 +133,13 @@ def _side(body: ScoreRequest, names: tuple[str, ...]) -> tuple[str, list[str]]:
     return given[0], texts
 
 
-async def _cosines(
+async def _scores(
     request: Request,
     body: _ScoringRequest,
     first: tuple[str, list[str]],
     second: tuple[str, list[str]],
 ) -> tuple[list[float], int, str]:
-    """Each pair's cosine (the first text against each second one, or pairwise), the prompt
+    """Each pair's score (the first text against each second one, or pairwise), the prompt
     tokens of every input position (as vLLM counts them), and the model name to answer with."""
     engine = request.app.state.engine
     lora = check_model(body.model, engine)
@@ -138,22 +147,89 @@ async def _cosines(
     for name in ("max_tokens_per_query", "max_tokens_per_doc"):  # vLLM's and Cohere's
         if (body.model_extra or {}).get(name) is not None:
             raise invalid_request(f"{name} is not supported; use truncate_prompt_tokens.", name)
+    left, right = first[1], second[1]
+    pairs = list(zip(left * len(right) if len(left) == 1 else left, right, strict=True))
+    if engine.classifier is not None:
+        scores, num_tokens = await _cross_encoded(request, body, pairs, second[0])
+    else:
+        scores, num_tokens = await _cosines(request, body, first, second, pairs)
+    return scores, num_tokens, lora or engine.model_name
+
+
+async def _cross_encoded(
+    request: Request, body: _ScoringRequest, pairs: list[tuple[str, str]], name: str
+) -> tuple[list[float], int]:
+    """A cross-encoder's scores: the sigmoid of its one-label head over each pair."""
+    engine = request.app.state.engine
+    head = classifier_of(engine, "Scoring with a classifier")
+    if head.num_labels != 1:
+        raise invalid_request(
+            f"This classifier has {head.num_labels} labels; a score needs one (a cross-encoder). "
+            "Its probabilities: /classify.",
+            "model",
+        )
+    if len(pairs) > engine.max_waiting_requests:
+        raise invalid_request(
+            f"At most {engine.max_waiting_requests} pairs fit in one request (the server's "
+            f"max_waiting_requests); got {len(pairs)}.",
+            name,
+        )
+    side = body.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
+    longest = engine.max_model_len - 1  # room for the one token the engine samples
+    encoded = {}
+    for position, pair in enumerate(pairs):
+        if pair in encoded:
+            continue
+        for text in pair:  # a lone surrogate is a 400 here, as anywhere else
+            encode_text(engine, text, name, add_special_tokens=False)
+        token_ids = list(engine.tokenizer(*pair)["input_ids"])
+        if not token_ids:
+            raise invalid_request(f"{name}[{position}] and its pair are empty.", name)
+        prompt = truncated(
+            Prompt(token_ids, ""), body.truncate_prompt_tokens, engine, side, longest
+        )
+        if len(prompt.token_ids) > longest:
+            raise invalid_request(
+                f"{name}[{position}] and its pair have {len(prompt.token_ids)} tokens; this model "
+                f"reads at most {longest} (truncate_prompt_tokens -1 cuts to it).",
+                name,
+            )
+        encoded[pair] = prompt
+    distinct = list(encoded)
+    options = EmbeddingOptions(check_model(body.model, engine), body.priority, body.cache_salt)
+    prompts = pooled_prompts([encoded[pair] for pair in distinct], head)
+    states = await embed_prompts(request, prompts, options)
+    score = {
+        pair: probabilities(head.logits(state))[0]
+        for pair, state in zip(distinct, states, strict=True)
+    }
+    return [score[pair] for pair in pairs], sum(len(encoded[pair].token_ids) for pair in pairs)
+
+
+async def _cosines(
+    request: Request,
+    body: _ScoringRequest,
+    first: tuple[str, list[str]],
+    second: tuple[str, list[str]],
+    pairs: list[tuple[str, str]],
+) -> tuple[list[float], int]:
+    """Each pair's cosine of the two texts' embeddings; every distinct text embedded once."""
+    engine = request.app.state.engine
     tokens = {
         **_tokenized(body, engine, *first),
         **_tokenized(body, engine, *second),
     }
     texts = list(tokens)  # each distinct text embedded once
     prompts = [tokens[text] for text in texts]
-    options = EmbeddingOptions(lora, body.priority, body.cache_salt)
+    options = EmbeddingOptions(check_model(body.model, engine), body.priority, body.cache_salt)
     states = await embed_prompts(request, prompts, options)
     unit = torch.nn.functional.normalize(torch.tensor(states), dim=1)
     index = {text: position for position, text in enumerate(texts)}
-    left, right = first[1], second[1]
-    rows = torch.tensor([index[text] for text in (left * len(right) if len(left) == 1 else left)])
-    columns = torch.tensor([index[text] for text in right])
+    rows = torch.tensor([index[left] for left, _ in pairs])
+    columns = torch.tensor([index[right] for _, right in pairs])
     scores = (unit[rows] * unit[columns]).sum(dim=1).tolist()
-    num_tokens = sum(len(tokens[text].token_ids) for text in (*left, *right))
-    return scores, num_tokens, lora or engine.model_name
+    num_tokens = sum(len(tokens[text].token_ids) for text in (*first[1], *second[1]))
+    return scores, num_tokens
 
 
 def _tokenized(

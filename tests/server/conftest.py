@@ -80,6 +80,7 @@ class FakeEngine:
     vocab_size = 258
     eos_token_ids = (EOS_TOKEN_ID,)
     max_waiting_requests = 8
+    classifier = None  # a generative model (tests/server/test_classify.py sets a head)
 
     def __init__(self) -> None:
         self.tokenizer = ByteTokenizer()

@@ -1,0 +1,90 @@
+"""POST /classify (vLLM's): each input's class probabilities from a sequence classifier
+(engine/classifier.py): the head over the final hidden state of the input's last token that is
+not padding, softmax over the labels (a sigmoid for one label) unless `use_activation` is false.
+
+The hidden states come from the embedding path (server/routes/embeddings.py `embed_prompts`):
+one one-token engine request per input, batched with everything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from pagedserve.engine.classifier import ClassifierHead, probabilities
+from pagedserve.server.errors import invalid_request
+from pagedserve.server.prompts import Prompt, check_model, completion_prompts, truncated
+from pagedserve.server.protocol import _Options
+from pagedserve.server.request_fields import check_request_fields
+from pagedserve.server.routes.embeddings import EmbeddingOptions, embed_prompts
+
+router = APIRouter()
+
+
+class ClassificationRequest(_Options):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool = True
+    use_activation: bool | None = None  # vLLM 0.32's name; `activation` before
+    activation: bool | None = None
+    priority: int = 0
+    cache_salt: str | None = Field(None, max_length=1024)
+    user: str | None = None
+
+
+def classifier_of(engine: Any, route: str) -> ClassifierHead:
+    head = engine.classifier
+    if head is None:
+        raise invalid_request(
+            f"{route} needs a sequence classifier (a *ForSequenceClassification checkpoint); "
+            "this model is not one (its embeddings: /v1/embeddings).",
+            "model",
+        )
+    return head
+
+
+def pooled_prompts(prompts: list[Prompt], head: ClassifierHead) -> list[Prompt]:
+    """Each prompt up to its last token that is not padding, where the head reads it."""
+    return [Prompt(head.pooled(prompt.token_ids), prompt.text) for prompt in prompts]
+
+
+@router.post("/classify")
+async def create_classification(body: ClassificationRequest, request: Request) -> dict[str, Any]:
+    engine = request.app.state.engine
+    head = classifier_of(engine, "/classify")
+    lora = check_model(body.model, engine)
+    check_request_fields(body, request.state.request_id)
+    side = body.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
+    prompts = [
+        truncated(prompt, body.truncate_prompt_tokens, engine, side, engine.max_model_len - 1)
+        for prompt in completion_prompts(body.input, engine, body.add_special_tokens, "input")
+    ]
+    options = EmbeddingOptions(lora, body.priority, body.cache_salt)
+    states = await embed_prompts(request, pooled_prompts(prompts, head), options)
+    chosen = body.use_activation if body.use_activation is not None else body.activation
+    activated = chosen is not False
+    data = []
+    for index, state in enumerate(states):
+        logits = head.logits(state)
+        best = max(range(head.num_labels), key=logits.__getitem__)
+        data.append(
+            {
+                "index": index,
+                "label": head.labels[best],
+                "probs": probabilities(logits) if activated else logits,
+                "num_classes": head.num_labels,
+            }
+        )
+    num_tokens = sum(len(prompt.token_ids) for prompt in prompts)
+    return {
+        "id": f"classify-{request.state.request_id}",
+        "object": "list",
+        "created": request.state.created,
+        "model": lora or engine.model_name,
+        "data": data,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
+    }
