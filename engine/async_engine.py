@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import queue
 import threading
@@ -20,13 +19,13 @@ from typing import Any
 
 from pagedserve.configs import EngineConfig, SamplingParams
 from pagedserve.engine.between_steps import BetweenSteps
+from pagedserve.engine.compiling import Compiling, aborted_unqueued
 from pagedserve.engine.errors import (
     EngineDeadError,
     EngineError,
     EngineOverloadedError,
     RequestFailedError,
 )
-from pagedserve.engine.inputs import ValidatedRequest
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import EngineStats, RequestDelta
 from pagedserve.engine.runtime_lora import RuntimeLoRA
@@ -41,7 +40,7 @@ def _engine_attribute(name: str) -> property:
     return property(lambda self: getattr(self._engine, name), doc=f"The engine's {name}.")
 
 
-class AsyncEngine(RuntimeLoRA, BetweenSteps):
+class AsyncEngine(RuntimeLoRA, BetweenSteps, Compiling):
     """Implements `engine.client.EngineClient` over a threaded `LLMEngine`."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -57,6 +56,7 @@ class AsyncEngine(RuntimeLoRA, BetweenSteps):
         self._stopping = threading.Event()
         self._dead_reason: str | None = None
         self._pending_calls: set[asyncio.Future[Any]] = set()  # answered by the engine thread
+        self._compiling: dict[str, bool] = {}  # engine/compiling.py
 
     # ---- EngineClient surface --------------------------------------------------------------
     model_name = _engine_attribute("model_name")
@@ -117,7 +117,12 @@ class AsyncEngine(RuntimeLoRA, BetweenSteps):
             request_id, prompt_token_ids, params, time.monotonic(), priority
         )
         if params.structured_outputs is not None:
-            validated = await self._compiled(validated)
+            compiled = await self._compiled(validated)
+            if compiled is None:  # aborted while its grammar compiled: it was never queued
+                for delta in aborted_unqueued(validated):
+                    yield delta
+                return
+            validated = compiled
         if len(self._streams) >= self.max_waiting_requests:
             raise EngineOverloadedError(f"{len(self._streams)} requests are in flight; retry later")
         if request_id in self._streams or request_id in self._closing:
@@ -139,17 +144,8 @@ class AsyncEngine(RuntimeLoRA, BetweenSteps):
                 self._closing.add(request_id)
                 self._commands.put(("close", request_id))
 
-    async def _compiled(self, validated: ValidatedRequest) -> ValidatedRequest:
-        """Compile the constraint on the grammar pool (cached; neither the loop nor the engine
-        thread waits): a malformed one, or one past its deadline, raises here, nothing queued."""
-        constraint = validated.params.structured_outputs
-        assert constraint is not None
-        grammar = await self._engine.structured.compiler.compiled(constraint)
-        if not self.is_alive or self._stopping.is_set():
-            raise EngineDeadError(self._dead_reason or "the engine is not running")
-        return dataclasses.replace(validated, grammar=grammar)
-
     async def abort(self, request_id: str) -> None:
+        self._abort_compiling(request_id)
         self._commands.put(("abort", request_id))
 
     def stats(self) -> EngineStats:

@@ -288,10 +288,12 @@ def sequence_id(request_id: str, index: int) -> str:
 
 
 def _eos_token_ids(loaded: LoadedModel) -> list[int]:
-    """EOS ids from the generation config (may be several), else the tokenizer's."""
+    """EOS ids from the generation config (may be several; the tokenizer's first), else the
+    tokenizer's."""
     generation_config = getattr(loaded.model, "generation_config", None)
     eos = getattr(generation_config, "eos_token_id", None)
     if eos is None:
         eos = loaded.tokenizer.eos_token_id
     ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return list(dict.fromkeys(ids))
+    first = loaded.tokenizer.eos_token_id  # vLLM's EOS; the others end a choice as stop tokens
+    return list(dict.fromkeys([first, *ids] if first in ids else ids))

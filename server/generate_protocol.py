@@ -69,7 +69,7 @@ class GenerateSamplingParams(BaseModel):
     regex: str | None = None
     ebnf: str | None = None
     logit_bias: dict[str, float] | None = None
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream_interval: int | None = Field(None, ge=1)  # a chunk every this many tokens
     beam_width: int | None = None
     stop_regex: str | list[str] | None = None
@@ -138,7 +138,8 @@ class GenerateSamplingParams(BaseModel):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.no_stop_trim,
-            seed=self.sampling_seed,
+            # SGLang takes any signed 64-bit seed, the engine [0, 2**63): negative ones wrap
+            seed=None if self.sampling_seed is None else self.sampling_seed % 2**63,
             **engine_fields,
         )
 

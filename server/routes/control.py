@@ -10,7 +10,9 @@ run to start cold, not a half-flushed cache.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from collections.abc import Awaitable
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse, Response
@@ -20,7 +22,9 @@ from pagedserve.server.errors import APIError, invalid_request
 from pagedserve.server.protocol import _Request
 
 router = APIRouter()
+_HEX_ID = re.compile(r"[0-9a-f]{32}")  # the server's own request ids (x-request-id)
 MAX_FLUSH_WAIT_S = 600.0
+ENGINE_ANSWER_S = 30.0  # a reset waits at most for the step in progress; this is a backstop
 _POLL_S = 0.05
 
 
@@ -33,6 +37,16 @@ def _busy() -> APIError:
     )
 
 
+async def _answered(reset: Awaitable[bool]) -> bool:
+    """The engine's answer (between two steps); a 503 if a stuck engine gives none."""
+    try:
+        return await asyncio.wait_for(reset, ENGINE_ANSWER_S)
+    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+        raise APIError(
+            503, "The engine did not answer in time.", "server_error", code="engine_unhealthy"
+        ) from None
+
+
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(
     request: Request, timeout: float = Query(0.0, ge=0.0, le=MAX_FLUSH_WAIT_S)
@@ -41,7 +55,7 @@ async def flush_cache(
     to become idle, else a 400."""
     engine = request.app.state.engine
     deadline = time.monotonic() + timeout
-    while not await engine.reset_prefix_cache():
+    while not await _answered(engine.reset_prefix_cache()):
         if time.monotonic() >= deadline:
             raise _busy()
         await asyncio.sleep(_POLL_S)
@@ -62,7 +76,7 @@ async def reset_prefix_cache(
             "is idle.",
             "reset_running_requests",
         )
-    if not await request.app.state.engine.reset_prefix_cache():
+    if not await _answered(request.app.state.engine.reset_prefix_cache()):
         raise _busy()
     return Response(status_code=200)
 
@@ -72,22 +86,36 @@ class AbortRequest(_Request):
     abort_all: bool = False
 
 
+def _names(rid: str, request_id: str) -> bool:
+    """Whether `rid` names the engine request `request_id`: its own id; a /generate batch's rid
+    (its prompts are `<rid>_<i>`); one choice of n (`<id>_<j>`: aborting it aborts the request,
+    whose choices the engine runs together); or an OpenAI request's `x-request-id` (a 32-digit
+    hex id whose prompts are `<id>-<i>`)."""
+    return (
+        request_id == rid
+        or _numbered(request_id, f"{rid}_")
+        or _numbered(rid, f"{request_id}_")
+        or (_HEX_ID.fullmatch(rid) is not None and _numbered(request_id, f"{rid}-"))
+    )
+
+
+def _numbered(name: str, prefix: str) -> bool:
+    """`name` is `prefix` and a number (so `job` does not name `job_extra`)."""
+    suffix = name[len(prefix) :]
+    return name.startswith(prefix) and suffix.isascii() and suffix.isdigit()
+
+
 @router.post("/abort_request")
 async def abort_request(body: AbortRequest, request: Request) -> Response:
-    """SGLang's: abort the request `rid` (a /generate rid; a batch's rid aborts its `<rid>_<i>`
-    prompts; an OpenAI request's `x-request-id` aborts its prompts), or every request with
-    `abort_all`. 200 with an empty body, also for an id no longer in flight (it finished). The
-    aborted requests end as they would on a client's disconnect: finish reason "abort", with what
-    they had produced."""
+    """SGLang's: abort the requests `rid` names (`_names`), or every request with `abort_all`.
+    200 with an empty body, also for an id no longer in flight (it finished). The aborted requests
+    end as they would on a client's disconnect: finish reason "abort", with what they had made."""
     if not body.rid and not body.abort_all:
         raise invalid_request("Give the rid of the request to abort, or abort_all.", "rid")
-    in_flight = request.app.state.engine_requests
     targets = [
         request_id
-        for request_id in list(in_flight)
-        if body.abort_all
-        or request_id == body.rid
-        or request_id.startswith((f"{body.rid}_", f"{body.rid}-"))
+        for request_id in list(request.app.state.engine_requests)
+        if body.abort_all or _names(body.rid, request_id)
     ]
     for request_id in targets:
         await request.app.state.engine.abort(request_id)

@@ -38,6 +38,7 @@ from pagedserve.server.prompts import (
     parse_logit_bias,
     resolve_max_tokens,
 )
+from pagedserve.server.protocol import MIN_LOGPROB
 from pagedserve.server.recorder import RequestRecorder
 from pagedserve.server.streams import EventStreamResponse, sse_events
 
@@ -71,6 +72,8 @@ class _Logprobs:
 
     def _triple(self, logprob: float | None, token_id: int) -> list[Any]:
         text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+        if logprob is not None and not logprob > MIN_LOGPROB:  # -inf (masked) is no JSON number
+            logprob = MIN_LOGPROB
         return [logprob, token_id, text]
 
     def _top(self, entry: TokenLogprob) -> list[Any]:
@@ -93,6 +96,7 @@ class _Logprobs:
         body: dict[str, Any] = {
             "input_token_logprobs": self.input_token,
             "output_token_logprobs": self.output_token,
+            "output_token_logprobs_length": len(self.output_token),
         }
         if self.num_top > 0:
             body.update(input_top_logprobs=self.input_top, output_top_logprobs=self.output_top)
@@ -281,6 +285,7 @@ def _engine_input(
 
 
 @router.post("/generate")
+@router.put("/generate")  # SGLang takes both
 async def generate(body: GenerateRequest, request: Request) -> Response:
     prompts, inputs, logprobs, intervals = _plan(body, request)
     n = inputs[0].params.n

@@ -97,6 +97,36 @@ def test_the_prefix_cache_is_reset_between_steps_only_while_nothing_is_in_flight
     assert (cold, warm, busy, after) == (0, 20, False, 0)  # 21 tokens: 5 full blocks of 4
 
 
+def test_an_abort_while_the_grammar_compiles_ends_the_request_before_it_is_queued(tiny_loaded):
+    constraint = StructuredOutputs("regex", "(yes|no)")
+    params = SamplingParams(max_tokens=5, structured_outputs=constraint)
+
+    async def scenario() -> tuple:
+        engine = started_engine(tiny_loaded)
+        await engine.start()
+        compiler = engine.engine.structured.compiler
+        compile_now, release = compiler.compiled, asyncio.Event()
+
+        async def slow_compile(constraint):  # as a long compile on the pool would
+            await release.wait()
+            return await compile_now(constraint)
+
+        compiler.compiled = slow_compile
+        stream = engine.generate(PROMPT, params, "compiling")
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.05)
+        await engine.abort("compiling")
+        release.set()
+        deltas = [await first] + [delta async for delta in stream]
+        queued = engine.engine.has_unfinished_requests()
+        await engine.shutdown()
+        return deltas, queued
+
+    deltas, queued = asyncio.run(scenario())
+    assert [(d.finished, d.finish_reason, d.new_token_ids) for d in deltas] == [(True, "abort", ())]
+    assert not queued
+
+
 def test_a_request_arriving_during_shutdown_is_refused_not_left_waiting(tiny_loaded):
     async def scenario() -> None:
         engine = started_engine(tiny_loaded)

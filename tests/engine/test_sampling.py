@@ -313,6 +313,20 @@ def test_min_tokens_bans_eos_until_reached(tiny_loaded):
     assert run.finish_reasons["r"] == "stop"
 
 
+def test_other_generation_config_eos_ids_end_a_choice_as_stop_tokens(tiny_loaded, monkeypatch):
+    # As vLLM: the tokenizer's EOS is the EOS (no stop_reason), the generation config's others
+    # are stop tokens (their id is the stop_reason), whatever order the config lists them in.
+    monkeypatch.setattr(tiny_loaded.model.generation_config, "eos_token_id", [7, EOS])
+    engine = make_engine(tiny_loaded, block_size=4)
+    assert engine.eos_token_ids == [EOS, 7]
+    for request_id, token_id in (("eos", EOS), ("other", 7)):
+        params = SamplingParams(temperature=0.0, max_tokens=5, logit_bias={token_id: 100.0})
+        engine.add_request(request_id, [5, 6], params)
+    run = run_to_completion(engine)
+    assert run.token_ids == {"eos": [EOS], "other": [7]}
+    assert run.stop_reasons == {"eos": None, "other": 7}
+
+
 def test_bad_words_change_a_greedy_output_where_it_would_complete_one(tiny_loaded):
     prompt = [5, 6, 7]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -6,7 +6,12 @@ tests/engine/test_async_engine.py and tests/server/test_e2e_generate.py."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+
+import pytest
+
+from pagedserve.server.routes.control import _names
 
 
 def test_flush_cache_resets_an_idle_engine_s_cache_by_get_or_post(client, engine):
@@ -54,3 +59,31 @@ def test_the_operating_routes_need_the_api_key(client_with):
     for path in ("/flush_cache", "/reset_prefix_cache", "/abort_request", "/generate"):
         assert client.post(path, json={"abort_all": True}).status_code == 401
     assert client.post("/flush_cache", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("rid", "request_id", "named"),
+    [
+        ("job", "job", True),
+        ("job", "job_3", True),  # a /generate batch's prompt
+        ("job_1", "job", True),  # one choice of an n > 1 request: the whole request
+        ("job", "job_extra", False),
+        ("job", "job-2", False),  # only the server's own ids name OpenAI prompts by "-"
+        ("job_x", "job", False),
+        ("0123456789abcdef0123456789abcdef", "0123456789abcdef0123456789abcdef-1", True),
+        ("job", "jobs", False),
+    ],
+)
+def test_which_requests_a_rid_names(rid, request_id, named):
+    assert _names(rid, request_id) is named
+
+
+def test_a_stuck_engine_gets_a_503_not_a_hang(client, engine, monkeypatch):
+    async def never() -> bool:
+        await asyncio.Event().wait()
+        return True
+
+    monkeypatch.setattr("pagedserve.server.routes.control.ENGINE_ANSWER_S", 0.1)
+    engine.reset_prefix_cache = never  # type: ignore[method-assign]
+    assert client.post("/flush_cache").status_code == 503
+    assert client.post("/reset_prefix_cache").status_code == 503

@@ -9,6 +9,9 @@ import json
 
 import pytest
 
+from pagedserve.engine.outputs import TokenLogprob
+from pagedserve.server.protocol import MIN_LOGPROB
+from pagedserve.server.routes.generate import _Logprobs
 from tests.server.conftest import EOS_TOKEN_ID
 
 META_KEYS = {
@@ -225,7 +228,10 @@ def test_stream_interval_sends_the_first_tokens_then_every_interval(client):
             "sampling_params.max_new_tokens",
         ),
         ({"text": "hi", "sampling_params": {"temperature": -1.0}}, "sampling_params.temperature"),
-        ({"text": "hi", "sampling_params": {"sampling_seed": -1}}, "sampling_params.sampling_seed"),
+        (
+            {"text": "hi", "sampling_params": {"sampling_seed": 2**63}},
+            "sampling_params.sampling_seed",
+        ),
         ({"text": "hi", "sampling_params": {"stop_regex": "x"}}, "sampling_params.stop_regex"),
         ({"text": "hi", "sampling_params": {"beam_width": 2}}, "sampling_params.beam_width"),
         ({"text": "hi", "sampling_params": {"regex": "a", "ebnf": "b"}}, "sampling_params.ebnf"),
@@ -264,3 +270,25 @@ def test_sglang_router_s_extra_fields_are_accepted(client):
         sampling_params={"max_new_tokens": 1},
     )
     assert body["text"] == "a"
+
+
+def test_a_masked_top_logprob_is_sent_as_the_floor_not_minus_infinity():
+    # A grammar's masked tokens have -inf, which JSON cannot carry: the OpenAI routes' floor.
+    logprobs = _Logprobs(start=0, num_top=2, tokenizer=None)
+    entry = TokenLogprob(97, -0.5, ((97, -0.5), (98, float("-inf"))))
+    logprobs.add_output((entry,))
+    body = logprobs.body()
+    assert body["output_top_logprobs"] == [[[-0.5, 97, None], [MIN_LOGPROB, 98, None]]]
+    assert body["output_token_logprobs_length"] == 1
+    json.dumps(body, allow_nan=False)
+
+
+def test_put_is_generate_too_and_negative_seeds_are_taken(client, engine):
+    response = client.put(
+        "/generate",
+        json={"text": "hi", "sampling_params": {"max_new_tokens": 1, "sampling_seed": -1}},
+    )
+    assert response.status_code == 200 and response.json()["text"] == "a"
+    assert engine.requests[0][2].seed == 2**63 - 1  # SGLang's signed seeds wrap into the engine's
+    body = {"text": "hi", "sampling_params": {"sampling_seed": -(2**63) - 1}}
+    assert _error(client, body, "sampling_params.sampling_seed")
