@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -260,8 +261,11 @@ def _checked_batch(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
     from pagedserve.server.run_batch import BatchInputError, read_batch
 
-    if not Path(args.output_file).resolve().parent.is_dir():
-        parser.error(f"the output file's folder does not exist: {args.output_file}")
+    output = Path(args.output_file).resolve()
+    if output.is_dir():
+        parser.error(f"the output file is a folder: {args.output_file}")
+    if not output.parent.is_dir() or not os.access(output.parent, os.W_OK):
+        parser.error(f"the output file's folder does not exist or is not writable: {output.parent}")
     try:
         return read_batch(args.input_file)
     except BatchInputError as exc:
@@ -279,10 +283,23 @@ def _run_batch(args: argparse.Namespace, config: EngineConfig, batch: list[Any])
     logging.getLogger(__name__).info(
         "run-batch: %d requests from %s to %s", len(batch), args.input_file, args.output_file
     )
+    # The file is the user's own: any line may be as long as the file (the server's body limit
+    # guards a public endpoint).
+    body_limit = max(config.server.max_request_body_bytes, os.path.getsize(args.input_file) + 1)
+    server = config.server.model_copy(update={"max_request_body_bytes": body_limit})
+    app = create_app(config.model_copy(update={"server": server}))
+    stopped_by: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM (docker, kubernetes) as Ctrl-C
+        stopped_by.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
-        failed = asyncio.run(
-            run_batch(create_app(config), batch, args.output_file, config.server.api_key)
-        )
+        failed = asyncio.run(run_batch(app, batch, args.output_file, config.server.api_key))
+    except KeyboardInterrupt:
+        sys.stderr.write("pagedserve run-batch: stopped; the output file was not written\n")
+        sys.exit(128 + (stopped_by[0] if stopped_by else signal.SIGINT))
     except Exception as exc:  # the engine did not start, or stopped: nothing was written
         sys.stderr.write(f"pagedserve run-batch: {type(exc).__name__}: {exc}\n")
         sys.exit(1)

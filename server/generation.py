@@ -24,6 +24,7 @@ from pagedserve.server.errors import (
     APIError,
     ClientDisconnectedError,
     ServerShuttingDownError,
+    invalid_request,
     to_api_error,
 )
 from pagedserve.server.recorder import RequestRecorder
@@ -92,6 +93,19 @@ async def _registered(
         registry.difference_update(ids)
 
 
+def _check_fits(inputs: list[EngineInput], max_in_flight: int) -> None:
+    """A 400 for a request that needs more engine requests at once than the server ever runs
+    (a beam search runs one per beam): a 429 would tell its client to retry forever."""
+    needed = sum(item.beam.width if item.beam is not None else 1 for item in inputs)
+    if needed > max_in_flight:
+        raise invalid_request(
+            f"This request needs {needed} engine requests at once ({len(inputs)} prompts, one per "
+            f"beam with use_beam_search); the server runs at most {max_in_flight} "
+            "(max_waiting_requests).",
+            "n",
+        )
+
+
 async def start_generation(
     request: Request,
     inputs: list[EngineInput],
@@ -103,6 +117,7 @@ async def start_generation(
     `engine_ids`: each prompt's engine request id (default: the HTTP request's id and its index;
     SGLang's /generate names them by its `rid`)."""
     engine: EngineClient = request.app.state.engine
+    _check_fits(inputs, engine.max_waiting_requests)
     ids = engine_ids or [engine_request_id(recorder.request_id, i) for i in range(len(inputs))]
     streams = [
         engine.generate(item.token_ids, item.params, request_id, item.priority)

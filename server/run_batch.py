@@ -44,6 +44,7 @@ SUPPORTED_URLS = (
 )
 PROGRESS_EVERY_S = 10.0
 RETRY_AFTER_S = 0.2  # a 429: the server's in-flight cap is full; another line will finish soon
+RETRY_FOR_S = 600.0  # then the line gets its 429
 
 
 class BatchInputError(ValueError):
@@ -91,7 +92,8 @@ def read_batch(path: str) -> list[BatchRequestInput]:
     line that is not a request, or a `custom_id` given twice."""
     requests, seen = [], set()
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        # "\n" only: JSON text may hold U+2028 and others that str.splitlines() also splits at
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as exc:
         raise BatchInputError(f"cannot read {path}: {exc}") from None
     for number, line in enumerate(lines, start=1):
@@ -129,30 +131,53 @@ def _output_line(
     )
 
 
-async def _answer(
-    client: httpx.AsyncClient,
-    request: BatchRequestInput,
-    headers: dict[str, str],
-    engine_alive: Callable[[], bool],
-) -> tuple[int, str | None, Any]:
-    """(status, the server's request id, the body or the error) for one request."""
-    if request.url not in SUPPORTED_URLS:
-        supported = ", ".join(SUPPORTED_URLS)
-        return 400, None, f"URL {request.url} is not supported; supported: {supported}."
-    if request.body.get("stream"):
-        return 400, None, "Request must not be sent in stream mode."
-    while True:
-        response = await client.post(request.url, json=request.body, headers=headers)
-        if response.status_code != 429:
-            break
-        await asyncio.sleep(RETRY_AFTER_S)
-    if response.status_code == 503 and not engine_alive():  # every later line would fail too
-        raise RuntimeError(f"the engine stopped: {response.text}")
-    try:
-        answer = response.json()
-    except ValueError:
-        answer = response.text
-    return response.status_code, response.headers.get("x-request-id"), answer
+class _Batch:
+    """One run: the in-process client, the lines in flight, progress."""
+
+    def __init__(self, app: FastAPI, client: httpx.AsyncClient, api_key: str | None, total: int):
+        self.app = app
+        self.client = client
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.admitted = asyncio.Semaphore(app.state.engine.max_waiting_requests)
+        self.in_flight = 0  # lines holding the semaphore
+        self.progress = _Progress(total, started=time.monotonic(), last_report=time.monotonic())
+
+    async def line(self, request: BatchRequestInput) -> str:
+        async with self.admitted:
+            self.in_flight += 1
+            try:
+                status, request_id, answer = await self._answer(request)
+            finally:
+                self.in_flight -= 1
+        self.progress.count(status)
+        return _output_line(request, status, request_id, answer)
+
+    async def _answer(self, request: BatchRequestInput) -> tuple[int, str, Any]:
+        """(status, the server's request id, the body or the error) for one request."""
+        if request.url not in SUPPORTED_URLS:
+            supported = ", ".join(SUPPORTED_URLS)
+            message = f"URL {request.url} is not supported; supported: {supported}."
+            return 400, uuid.uuid4().hex, message
+        if request.body.get("stream"):
+            return 400, uuid.uuid4().hex, "Request must not be sent in stream mode."
+        # As the line had it: NaN and Infinity reach the server, which answers them with a 400.
+        content = json.dumps(request.body, ensure_ascii=False).encode()
+        give_up = time.monotonic() + RETRY_FOR_S
+        while True:
+            response = await self.client.post(request.url, content=content, headers=self.headers)
+            # A 429: the server's in-flight cap is full; lines running beside this one free it.
+            if response.status_code != 429 or self.in_flight <= 1 or time.monotonic() > give_up:
+                break
+            await asyncio.sleep(RETRY_AFTER_S)
+        if response.status_code == 503 and not self.app.state.engine.is_alive:
+            raise RuntimeError(f"the engine stopped: {response.text}")  # every line would fail
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = response.text
+        return response.status_code, response.headers.get("x-request-id", ""), answer
 
 
 async def run_batch(
@@ -160,33 +185,34 @@ async def run_batch(
 ) -> int:
     """Answer every request through `app` and write the output file; returns the number of
     requests that did not get a 200."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    progress = _Progress(len(requests), started=time.monotonic(), last_report=time.monotonic())
-    target = Path(output_path)
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
+    target = Path(os.path.realpath(output_path))  # a symlink's target is what gets replaced
+    mode = _output_mode(target)
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
-        async with app.router.lifespan_context(app):
-            admitted = asyncio.Semaphore(app.state.engine.max_waiting_requests)
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(
-                transport=transport, base_url="http://run-batch", timeout=None
-            ) as client:
-
-                async def one(request: BatchRequestInput) -> str:
-                    async with admitted:
-                        status, request_id, answer = await _answer(
-                            client, request, headers, lambda: app.state.engine.is_alive
-                        )
-                    progress.count(status)
-                    return _output_line(request, status, request_id, answer)
-
-                with os.fdopen(handle, "w", encoding="utf-8") as output:
-                    await _write_in_order([one(r) for r in requests], output.write)
+        with os.fdopen(handle, "w", encoding="utf-8") as output:
+            async with app.router.lifespan_context(app):
+                # A route's own failure is that line's 500, as the server answers it.
+                transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+                async with httpx.AsyncClient(
+                    transport=transport, base_url="http://run-batch", timeout=None
+                ) as client:
+                    batch = _Batch(app, client, api_key, len(requests))
+                    await _write_in_order([batch.line(r) for r in requests], output.write)
+        os.chmod(temporary, mode)
         os.replace(temporary, target)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    return progress.failed
+    return batch.progress.failed
+
+
+def _output_mode(target: Path) -> int:
+    """The replaced file's permissions, else what the umask leaves of rw-rw-rw-."""
+    if target.is_file():
+        return target.stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 async def _write_in_order(lines: list[Any], write: Callable[[str], Any]) -> None:

@@ -137,3 +137,60 @@ def test_an_engine_that_does_not_start_leaves_no_output(tmp_path, engine):
         asyncio.run(run_batch(app, read_batch(str(source)), str(tmp_path / "out.jsonl"), None))
     assert (tmp_path / "out.jsonl").read_text() == "an earlier run's answers\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+
+
+def _answers(path: Path) -> list[dict]:
+    # "\n" only: the answers may hold U+2028, which str.splitlines() would split at
+    return [json.loads(line) for line in path.read_text().split("\n") if line]
+
+
+def test_lines_the_server_refuses_or_fails_do_not_stop_the_run(tmp_path, engine):
+    unescaped = {"custom_id": "sep\u2028arated", "method": "POST", "url": "/v1/completions"}
+    unescaped["body"] = {"prompt": "a\u2028b", "max_tokens": 1}
+    lines = [
+        '{"custom_id": "nan", "method": "POST", "url": "/v1/completions", '
+        '"body": {"prompt": "hi", "temperature": NaN}}',
+        json.dumps(unescaped, ensure_ascii=False),  # U+2028 as it is, not escaped
+        _line("beams", "/v1/completions", {"prompt": ["a"] * 5, "use_beam_search": True, "n": 2}),
+    ]
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    app = create_app(make_config(), engine)
+    asyncio.run(run_batch(app, read_batch(str(source)), str(target), None))
+    answers = _answers(target)
+    statuses = {answer["custom_id"]: answer["response"]["status_code"] for answer in answers}
+    # NaN reaches the server (a 400 naming it); U+2028 is no line break; 5 prompts x 2 beams
+    # never fit the fake's 8 in flight: a 400 at once, not a 429 retried forever.
+    assert statuses == {"nan": 400, "sep\u2028arated": 200, "beams": 400}
+    assert answers[0]["error"]["error"]["param"] == "temperature"
+    assert "needs 10 engine requests" in answers[2]["error"]["error"]["message"]
+    engine.raise_on_generate = RuntimeError("a bug")  # each route fails: each line's 500
+    failed = asyncio.run(run_batch(app, read_batch(str(source)), str(target), None))
+    assert failed == 3 and _answers(target)[1]["response"]["status_code"] == 500
+
+
+def test_the_output_keeps_the_replaced_file_s_mode_and_a_symlink_s_target(tmp_path, engine):
+    target = tmp_path / "results" / "out.jsonl"
+    target.parent.mkdir()
+    target.write_text("old\n")
+    target.chmod(0o640)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    source = tmp_path / "in.jsonl"
+    source.write_text(_line("a", "/v1/chat/completions", CHAT) + "\n")
+    app = create_app(make_config(), engine)
+    asyncio.run(run_batch(app, read_batch(str(source)), str(link), None))
+    assert link.is_symlink() and json.loads(target.read_text())["custom_id"] == "a"
+    assert target.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in target.parent.iterdir()) == ["out.jsonl"]
+
+
+def test_an_output_that_is_a_folder_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(
+        "pagedserve.server.cli._run_batch", lambda *args: pytest.fail("the model was loaded")
+    )
+    source = tmp_path / "in.jsonl"
+    source.write_text(_line("a", "/v1/chat/completions", CHAT) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run-batch", "-i", str(source), "-o", str(tmp_path)])
+    assert exit_info.value.code == 2 and "is a folder" in capsys.readouterr().err
