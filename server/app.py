@@ -14,6 +14,7 @@ from pagedserve.configs import EngineConfig
 from pagedserve.configs.engine import parse_bytes
 from pagedserve.engine.client import EngineClient
 from pagedserve.engine.heap import freeze_startup_objects, thaw_startup_objects
+from pagedserve.server.background_responses import BackgroundResponses
 from pagedserve.server.errors import install_exception_handlers
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.middleware import (
@@ -66,6 +67,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         # Fails what is still pending, so streams that are still open end with a final event.
         await engine.shutdown()
+        await app.state.background_responses.stop_all()
         if owns_engine:
             thaw_startup_objects()
 
@@ -83,6 +85,7 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
     app.state.config, app.state.engine = config, engine
     app.state.response_store = ResponseStore(parse_bytes(config.server.responses_store_memory))
     app.state.engine_requests = set()  # ids of the engine requests in flight (server/generation.py)
+    app.state.background_responses = BackgroundResponses()
     generation = (completions, chat, responses, embeddings, scores, classify, generate)
     operation = (models, tokenize, system, router_support, control, engine_state)
     for family in (*generation, *operation):

@@ -116,8 +116,10 @@ def to_chat_request(
 
 
 def _refuse_unservable(body: ResponsesRequest) -> None:
-    if body.background:
-        raise invalid_request("background responses are not supported.", "background")
+    if body.background and body.stream:
+        raise invalid_request(
+            "background with stream is not supported: poll GET /v1/responses/{id}.", "stream"
+        )
     for entry in body.include or []:
         if entry not in INCLUDABLE:
             raise invalid_request(f"include: unknown value {entry!r}.", "include")

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedserve.server.background_responses import detached
 from pagedserve.server.errors import (
     APIError,
     ClientDisconnectedError,
@@ -48,10 +49,17 @@ router = APIRouter()
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     check_request_fields(body, request.state.request_id)
     store: ResponseStore = request.app.state.response_store
+    if body.background and not (body.store and store.enabled):  # as OpenAI: it must be polled
+        raise invalid_request(
+            "background needs store (and a server that stores responses: "
+            "--responses-store-memory above 0).",
+            "background",
+        )
     history = _history(body, store)
     turn = input_messages(body)
+    source = detached(request) if body.background else request
     try:
-        run = await start_chat(to_chat_request(body, history, turn), request)
+        run = await start_chat(to_chat_request(body, history, turn), source)
     except APIError as error:  # named as this API names the parameter
         error.param = RESPONSES_PARAM.get(error.param or "", error.param)
         error.message = in_responses_terms(error.message)
@@ -61,6 +69,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     keep = _keeper(store, turn) if response.store else None
     builder = ResponseBuilder(response, keep)
     events = response_events(builder, run.chunks())
+    if body.background and keep is not None:
+        request.app.state.background_responses.start(builder, events, keep)
+        return JSONResponse(builder.response.model_dump())
     if body.stream:
         return EventStreamResponse(_sse(builder, events))
     async with aclosing(events):
@@ -78,8 +89,20 @@ async def retrieve_response(response_id: str, request: Request) -> Response:
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
     _stored(request, response_id)
+    await request.app.state.background_responses.cancel(response_id)  # a running one stops
     request.app.state.response_store.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject)
+async def cancel_response(response_id: str, request: Request) -> Response:
+    """Stop a background response (OpenAI's): the response as it stands, `cancelled`; one that
+    already ended is returned as it ended."""
+    stored = _stored(request, response_id)
+    if not json.loads(stored.response_json).get("background"):
+        raise invalid_request("Only background responses can be cancelled.", "response_id")
+    await request.app.state.background_responses.cancel(response_id)
+    return Response(_stored(request, response_id).response_json, media_type="application/json")
 
 
 def _stored(request: Request, response_id: str) -> StoredResponse:
@@ -145,6 +168,7 @@ def _response(body: ResponsesRequest, request: Request, model: str) -> ResponseO
         reasoning=body.reasoning.model_dump(exclude_none=True) if body.reasoning else None,
         truncation=body.truncation,
         previous_response_id=body.previous_response_id,
+        background=body.background,
         metadata=body.metadata or {},
         user=body.user,
     )

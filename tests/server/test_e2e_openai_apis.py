@@ -10,6 +10,7 @@ logprobs /v1/completions gives, streamed, stopped, prompt-scored), /flush_cache 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -215,6 +216,17 @@ def test_the_responses_api_answers_as_chat_does(client, model_name):
     assert client.responses.delete(response.id) is None
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response.id)
+    # In the background: answered at once, polled to the same answer; a long one cancelled
+    queued = client.responses.create(
+        model=model_name, input=messages, max_output_tokens=12, temperature=0, background=True
+    )
+    assert queued.status in ("queued", "in_progress")
+    while (polled := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        time.sleep(0.05)
+    assert polled.output_text == response.output_text
+    long = client.responses.create(model=model_name, input=messages, background=True)
+    assert client.responses.cancel(long.id).status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])

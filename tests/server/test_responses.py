@@ -8,6 +8,7 @@ within the store's bound."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -261,7 +262,8 @@ def test_a_failure_after_the_stream_began_ends_it_with_response_failed(client, e
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference'"),
         ({"input": [{"type": "function_call", "name": "f"}]}, "input", "call_id"),
         ({"input": []}, "input", "no message"),
-        ({"background": True}, "background", "background"),
+        ({"background": True, "store": False}, "background", "needs store"),
+        ({"background": True, "stream": True}, "stream", "poll"),
         ({"include": ["nonsense"]}, "include", "unknown value"),
         ({"top_logprobs": 2}, "top_logprobs", "include"),
         ({"max_output_tokens": 10_000}, "max_output_tokens", "max_output_tokens"),
@@ -359,3 +361,64 @@ def test_without_a_store_store_is_false_and_nothing_can_be_continued(client_with
     assert _respond(client).json()["store"] is False
     response = _respond(client, previous_response_id="resp_1")
     assert response.status_code == 400 and "stores no responses" in response.text
+
+
+def _poll(client, response_id: str, until: set[str]) -> dict[str, Any]:
+    for _ in range(500):
+        body = client.get(f"/v1/responses/{response_id}").json()
+        if body["status"] in until:
+            return body
+        time.sleep(0.01)
+    raise AssertionError(f"still {body['status']}")
+
+
+def test_a_background_response_answers_at_once_and_is_polled_to_its_end(client, engine):
+    whole = _respond(client, max_output_tokens=3).json()
+    queued = _respond(client, max_output_tokens=3, background=True)
+    assert queued.status_code == 200
+    body = queued.json()
+    assert body["status"] == "queued" and body["background"] is True and body["output"] == []
+    done = _poll(client, body["id"], {"completed", "incomplete"})
+    Response.model_validate(done, strict=True)
+    assert done["output"][0]["content"][0]["text"] == whole["output"][0]["content"][0]["text"]
+    assert done["usage"] == whole["usage"]
+    cancelled = client.post(f"/v1/responses/{body['id']}/cancel")  # ended: returned as it ended
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == done["status"]
+
+
+def test_a_background_response_is_cancelled_and_its_engine_request_aborted(client, engine):
+    engine.hang_after_first_delta = True
+    body = _respond(client, background=True).json()
+    running = _poll(client, body["id"], {"in_progress"})
+    assert running["status"] == "in_progress"
+    cancelled = client.post(f"/v1/responses/{body['id']}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    Response.model_validate(cancelled.json(), strict=True)
+    assert client.get(f"/v1/responses/{body['id']}").json()["status"] == "cancelled"
+    assert len(engine.closed_early) == 1 and engine.in_flight == 0  # its engine request closed
+
+
+def test_a_background_failure_is_its_stored_status(client, engine):
+    engine.fail_after_first_delta = RequestFailedError("the engine broke")
+    body = _respond(client, background=True).json()
+    failed = _poll(client, body["id"], {"failed"})
+    assert failed["error"] == {"code": "server_error", "message": "the engine broke"}
+
+
+def test_only_a_stored_background_response_can_be_cancelled(client):
+    plain = _respond(client).json()
+    response = client.post(f"/v1/responses/{plain['id']}/cancel")
+    assert response.status_code == 400 and "Only background" in response.json()["error"]["message"]
+    assert client.post("/v1/responses/resp_nope/cancel").status_code == 404
+
+
+def test_a_background_response_still_running_at_shutdown_is_not_left_pending(app, engine):
+    from fastapi.testclient import TestClient
+
+    engine.hang_after_first_delta = True
+    with TestClient(app) as client:
+        body = _respond(client, background=True).json()
+        _poll(client, body["id"], {"in_progress"})
+    stored = app.state.response_store.get(body["id"])
+    assert json.loads(stored.response_json)["status"] == "cancelled"
+    assert not app.state.background_responses.is_running(body["id"])
