@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -62,8 +62,10 @@ class ModelConfig(_Section):
     model: str = Field(
         DEFAULT_MODEL, description="HF model folder, hub id (offline), or the default model's name"
     )
-    served_model_name: str | None = Field(
-        None, description="name reported by /v1/models (default: the model name)"
+    served_model_name: list[str] | None = Field(
+        None,
+        description="the names requests may give as `model` (vLLM's: the first is the one "
+        "responses report; default: the model name)",
     )
     tokenizer: str | None = Field(None, description="tokenizer folder or id (default: the model's)")
     chat_template: str | None = Field(
@@ -126,9 +128,19 @@ class ModelConfig(_Section):
             raise ValueError(
                 "lora_modules and allow_runtime_lora_updating need enable_lora (--enable-lora)"
             )
-        if (self.served_model_name or self.model) in self.lora_adapters:
+        if set(self.served_model_names) & set(self.lora_adapters):
             raise ValueError("lora_modules: an adapter named as the served model is unreachable")
         return self
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # a YAML key or an env variable
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name the model answers to; the first is the one responses report."""
+        return tuple(self.served_model_name or [self.model])
 
     @property
     def lora_adapters(self) -> dict[str, str]:

@@ -68,6 +68,10 @@ class AsyncEngine(RuntimeLoRA, BetweenSteps, Compiling):
     classifier = _engine_attribute("classifier")
 
     @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return self.config.model.served_model_names
+
+    @property
     def max_waiting_requests(self) -> int:
         return self.config.scheduler.max_waiting_requests
 

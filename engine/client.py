@@ -12,7 +12,8 @@ from pagedserve.engine.state import EngineState
 
 
 class EngineClient(Protocol):
-    model_name: str  # the served model name
+    model_name: str  # the served model name (the first of served_model_names)
+    served_model_names: tuple[str, ...]  # every name a request may give as its model
     max_model_len: int
     vocab_size: int
     max_waiting_requests: int  # engine requests (prompts) in flight at once; more get a 429

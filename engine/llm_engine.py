@@ -58,7 +58,7 @@ class LLMEngine:
         cpu_kernel = _prepare_cpu_host(device)
         loaded = loaded or load_model(config.model, device)
         self.tokenizer = loaded.tokenizer
-        self.model_name = config.model.served_model_name or config.model.model
+        self.model_name = config.model.served_model_names[0]
         self.vocab_size = loaded.hf_config.vocab_size
         self.max_model_len, self.classifier = loaded.max_model_len, loaded.classifier
         self.eos_token_ids = _eos_token_ids(loaded)

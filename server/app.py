@@ -35,6 +35,7 @@ from pagedserve.server.routes import (
     models,
     responses,
     router_support,
+    sagemaker,
     scores,
     system,
     tokenize,
@@ -87,7 +88,7 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
     app.state.engine_requests = set()  # ids of the engine requests in flight (server/generation.py)
     app.state.background_responses = BackgroundResponses()
     generation = (completions, chat, responses, embeddings, scores, classify, generate)
-    operation = (models, tokenize, system, router_support, control, engine_state)
+    operation = (models, tokenize, system, router_support, control, sagemaker, engine_state)
     for family in (*generation, *operation):
         app.include_router(family.router)
     if config.model.allow_runtime_lora_updating:

@@ -19,7 +19,7 @@ from pagedserve.server.routes.engine_state import DASHBOARD_FILES
 # Probes and scrapers must work without the key, and so must the dashboard's static files (a
 # browser cannot send the key with a page load; the page sends it with its state requests).
 # Everything else, unknown paths included, needs it.
-UNGUARDED_PATHS = frozenset({"/health", "/version", "/metrics", *DASHBOARD_FILES})
+UNGUARDED_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", *DASHBOARD_FILES})
 
 
 def route_path(scope: Scope) -> str:

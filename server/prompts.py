@@ -30,7 +30,7 @@ class Prompt:
 def check_model(requested: str | None, engine: EngineClient) -> str | None:
     """Raises 404 unless the request names the served model, one of the LoRA adapters it serves
     (engine/lora.py), or none; returns that adapter's name (None: the base model)."""
-    if requested is None or requested == engine.model_name:
+    if requested is None or requested in engine.served_model_names:
         return None
     if requested in engine.lora_adapters:
         return requested

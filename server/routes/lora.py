@@ -29,7 +29,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> s
     path = str(Path(body.lora_path).expanduser()) if body.lora_path else body.lora_path
     if not name or not path:
         raise invalid_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
-    if name == engine.model_name:
+    if name in engine.served_model_names:
         raise invalid_request(f"The lora adapter '{name}' conflicts with the served model.")
     if name in engine.lora_adapters and not body.load_inplace:
         raise invalid_request(

@@ -1,5 +1,6 @@
-"""GET /v1/models and /v1/models/{model}: the served model, then each LoRA adapter it serves
-(vLLM's cards: an adapter's `parent` is the model, its `root` the adapter's folder)."""
+"""GET /v1/models and /v1/models/{model}: the served model under each of its names
+(--served-model-name, vLLM's), then each LoRA adapter it serves (vLLM's cards: an adapter's
+`parent` is the model, its `root` the adapter's folder)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ def _cards(request: Request) -> list[ModelCard]:
     model = ModelCard(
         id=engine.model_name, created=state.started_at, max_model_len=engine.max_model_len
     )
+    aliases = [model.model_copy(update={"id": name}) for name in engine.served_model_names[1:]]
     adapters = engine.lora_adapters
-    return [model] + [
+    return [model, *aliases] + [
         model.model_copy(update={"id": name, "root": path, "parent": model.id})
         for name, path in adapters.items()
     ]

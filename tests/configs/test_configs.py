@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.configs.engine import CacheConfig, EngineConfig, ModelConfig, parse_bytes
+from pagedserve.configs.engine import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    parse_bytes,
+)
 from pagedserve.configs.loader import PRESETS_DIR, load_engine_config
 from pagedserve.configs.sampling import SamplingParams, SamplingParamsError
 
@@ -262,3 +268,14 @@ def test_lora_modules_are_name_path_pairs_named_once_apart_from_the_model():
     ]:
         with pytest.raises(ValueError, match=message):
             ModelConfig(**settings)
+
+
+def test_served_model_name_is_one_name_or_several():
+    assert load_engine_config(
+        cli={"served_model_name": "a"}, environ={}
+    ).model.served_model_names == ("a",)
+    config = load_engine_config(cli={"served_model_name": ["a", "b"]}, environ={})
+    assert config.model.served_model_names == ("a", "b")
+    environ = {"PAGEDSERVE_SERVED_MODEL_NAME": "c"}
+    assert load_engine_config(environ=environ).model.served_model_names == ("c",)
+    assert load_engine_config(environ={}).model.served_model_names == (DEFAULT_MODEL,)

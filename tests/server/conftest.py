@@ -76,6 +76,7 @@ class FakeEngine:
     come on each choice's first delta. Records requests, aborts and early-closed streams."""
 
     model_name = "fake-model"
+    served_model_names = ("fake-model",)
     max_model_len = 64
     vocab_size = 258
     eos_token_ids = (EOS_TOKEN_ID,)

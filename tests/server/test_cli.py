@@ -157,7 +157,7 @@ def test_serve_help_never_shows_a_none_default(capsys):
     # Optional settings say what their absence means in their own words.
     text = _serve_help(capsys)
     assert "(default: None)" not in text
-    assert "name reported by /v1/models (default: the model name)" in " ".join(text.split())
+    assert "responses report; default: the model name)" in " ".join(text.split())
 
 
 @pytest.mark.parametrize("command", [["serve"], ["generate", "hi"], ["replicas", "-n", "1"]])

@@ -346,3 +346,18 @@ def test_a_prompt_refused_as_overloaded_closes_the_prompts_already_accepted(clie
     assert response.status_code == 429, response.text
     ((accepted, _, _),) = engine.requests
     assert accepted in engine.closed_early  # closing its stream is what aborts it in AsyncEngine
+
+
+def test_every_served_model_name_is_accepted_and_listed(client_with, engine):
+    engine.served_model_names = ("fake-model", "alias")
+    client = client_with()
+    body = client.post("/v1/completions", json={"model": "alias", "prompt": "hi", "max_tokens": 1})
+    assert body.status_code == 200 and body.json()["model"] == "fake-model"  # vLLM: the first
+    assert [card["id"] for card in client.get("/v1/models").json()["data"]] == [
+        "fake-model",
+        "alias",
+    ]
+    assert client.get("/v1/models/alias").status_code == 200
+    assert (
+        client.post("/v1/completions", json={"model": "other", "prompt": "hi"}).status_code == 404
+    )
