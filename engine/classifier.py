@@ -5,8 +5,8 @@ Such a model is the decoder plus one linear head (`score`) over the final hidden
 last token that is not padding. The engine serves its decoder as it serves any causal model (the
 checkpoint's `model.*` weights load into the family's `*ForCausalLM`, whose LM head stays unused
 and refuses generation), takes the last token's final hidden state the way it takes an embedding
-(engine/embeddings.py), and `ClassifierHead` applies the head: a few thousand products per input,
-done where the answer is built, with no second forward path.
+(engine/embeddings.py), and `ClassifierHead` applies the head, one matrix product for a request's
+inputs where the answer is built, with no second forward path.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
 HEAD_WEIGHT = "score.weight"  # the head's name in transformers' decoder classifiers
-HEAD_BIAS = "score.bias"
 
 
 def is_sequence_classifier(hf_config: Any) -> bool:
@@ -29,25 +30,27 @@ def is_sequence_classifier(hf_config: Any) -> bool:
     return any(name.endswith("ForSequenceClassification") for name in architectures)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class ClassifierHead:
-    """The head's weights as plain floats ([label][hidden]), its bias, and the label names."""
+    """The head's weight ([labels, hidden], float32, on the CPU) and the label names."""
 
-    weight: tuple[tuple[float, ...], ...]
-    bias: tuple[float, ...] | None
+    weight: torch.Tensor
     labels: tuple[str, ...]
     pad_token_id: int | None  # inputs are pooled at their last token that is not this one
 
     @property
     def num_labels(self) -> int:
-        return len(self.weight)
+        return self.weight.shape[0]
 
-    def logits(self, hidden: Sequence[float]) -> list[float]:
-        if len(hidden) != len(self.weight[0]):
-            raise ValueError(f"{len(hidden)} hidden values for a head of {len(self.weight[0])}")
-        bias = self.bias or (0.0,) * self.num_labels
-        rows = zip(self.weight, bias, strict=True)
-        return [math.fsum(map(float.__mul__, row, hidden)) + b for row, b in rows]
+    def logits(self, states: Sequence[Sequence[float]]) -> list[list[float]]:
+        """Each final hidden state's logits: one product for all of them (a request's inputs
+        together: microseconds, where a Python loop over a 4,096-wide head took 1.5 ms each)."""
+        hidden = torch.tensor(states, dtype=torch.float32).reshape(len(states), -1)
+        if hidden.shape[1] != self.weight.shape[1]:
+            raise ValueError(
+                f"{hidden.shape[1]} hidden values for a head of {self.weight.shape[1]}"
+            )
+        return (hidden @ self.weight.T).tolist()
 
     def pooled(self, token_ids: list[int]) -> list[int]:
         """The tokens up to the last one that is not padding (transformers pools there; the
@@ -91,40 +94,41 @@ def load_classifier(model_path: Path, hf_config: Any, name: str) -> ClassifierHe
 
 
 def load_classifier_head(model_path: Path, hf_config: Any) -> ClassifierHead:
-    """The `score` head of the checkpoint in `model_path` (safetensors, one file or sharded).
+    """The `score` head of the checkpoint in `model_path` (safetensors: `model.safetensors`, or
+    the shards its index names). transformers builds the head without a bias, so a `score.bias`
+    in a checkpoint is ignored, as transformers ignores it.
 
     Raises:
-        ValueError: the checkpoint has no `score.weight` (say, an encoder classifier, whose head
-            is named otherwise: not a decoder model this engine serves).
+        ValueError: no `score.weight` (say, an encoder classifier, whose head is named otherwise,
+            or a checkpoint without safetensors), or one whose shape is not [num_labels, hidden].
     """
     from safetensors import safe_open  # a transformers dependency
 
-    tensors = {}
+    weight = None
     for file in _weight_files(model_path):
         with safe_open(str(file), framework="pt") as handle:
-            names = set(handle.keys())
-            for name in (HEAD_WEIGHT, HEAD_BIAS):
-                if name in names:
-                    tensors[name] = handle.get_tensor(name).float()
-    if HEAD_WEIGHT not in tensors:
-        raise ValueError(f"{model_path} is a sequence classifier without a {HEAD_WEIGHT} head")
-    weight = tensors[HEAD_WEIGHT]
+            if HEAD_WEIGHT in set(handle.keys()):
+                weight = handle.get_tensor(HEAD_WEIGHT).float().contiguous()
+    if weight is None:
+        raise ValueError(
+            f"{model_path} is a sequence classifier without a {HEAD_WEIGHT} head in its "
+            "safetensors files (model.safetensors, or the shards of its index)"
+        )
+    expected = (getattr(hf_config, "num_labels", None), getattr(hf_config, "hidden_size", None))
+    if tuple(weight.shape) != expected:
+        raise ValueError(
+            f"{model_path}: {HEAD_WEIGHT} is {tuple(weight.shape)}, not (num_labels, hidden_size) "
+            f"= {expected}"
+        )
     id2label = getattr(hf_config, "id2label", None) or {}
     labels = tuple(str(id2label.get(index, f"LABEL_{index}")) for index in range(weight.shape[0]))
-    bias = tensors.get(HEAD_BIAS)
-    return ClassifierHead(
-        tuple(tuple(row) for row in weight.tolist()),
-        tuple(bias.tolist()) if bias is not None else None,
-        labels,
-        getattr(hf_config, "pad_token_id", None),
-    )
+    return ClassifierHead(weight, labels, getattr(hf_config, "pad_token_id", None))
 
 
 def _weight_files(model_path: Path) -> list[Path]:
     index = model_path / "model.safetensors.index.json"
     if index.is_file():
-        shards = json.loads(index.read_text())["weight_map"]
-        return sorted(
-            {model_path / shards[name] for name in (HEAD_WEIGHT, HEAD_BIAS) if name in shards}
-        )
-    return sorted(model_path.glob("*.safetensors"))
+        shard = json.loads(index.read_text())["weight_map"].get(HEAD_WEIGHT)
+        return [model_path / shard] if shard else []
+    single = model_path / "model.safetensors"
+    return [single] if single.is_file() else []

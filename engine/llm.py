@@ -122,12 +122,15 @@ class LLM:
             head.pooled(self.tokenizer.encode(p) if isinstance(p, str) else list(p))
             for p in _prompt_list(prompts)
         ]
-        outputs = []
-        for state in self.embed(token_ids, normalize=False):
-            logits = head.logits(state.outputs.embedding)
-            label = head.labels[max(range(head.num_labels), key=logits.__getitem__)]
-            outputs.append(ClassificationOutput(probabilities(logits), label, logits))
-        return outputs
+        states = [output.outputs.embedding for output in self.embed(token_ids, normalize=False)]
+        return [
+            ClassificationOutput(
+                probabilities(logits),
+                head.labels[max(range(head.num_labels), key=logits.__getitem__)],
+                logits,
+            )
+            for logits in head.logits(states)
+        ]
 
     def _add_all(
         self, prompts: list[PromptInput], params_list: list[SamplingParams]

@@ -39,6 +39,7 @@ SUPPORTED_URLS = (
     "/v1/completions",
     "/v1/embeddings",
     "/v1/responses",
+    "/classify",
     "/generate",
     *("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"),
 )

@@ -68,8 +68,7 @@ async def create_classification(body: ClassificationRequest, request: Request) -
     chosen = body.use_activation if body.use_activation is not None else body.activation
     activated = chosen is not False
     data = []
-    for index, state in enumerate(states):
-        logits = head.logits(state)
+    for index, logits in enumerate(head.logits(states)):
         best = max(range(head.num_labels), key=logits.__getitem__)
         data.append(
             {

@@ -60,7 +60,7 @@ async def model_info(request: Request) -> dict[str, Any]:
     engine = request.app.state.engine
     return {  # no model path: see `_server_info`
         "served_model_name": engine.model_name,
-        "is_generation": True,
+        "is_generation": engine.classifier is None,  # a classifier does not generate
         "max_context_length": engine.max_model_len,
         "vocab_size": engine.vocab_size,
     }

@@ -41,6 +41,8 @@ SECOND_SIDE = ("text_2", "documents", "items", "data_2")
 
 class _ScoringRequest(_Options):
     model: str | None = None
+    use_activation: bool | None = None  # a cross-encoder's sigmoid (vLLM's; `activation` before)
+    activation: bool | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
     padding: Literal["do_not_pad"] | None = None
@@ -182,12 +184,10 @@ async def _cross_encoded(
             continue
         for text in pair:  # a lone surrogate is a 400 here, as anywhere else
             encode_text(engine, text, name, add_special_tokens=False)
-        token_ids = list(engine.tokenizer(*pair)["input_ids"])
+        token_ids = _pair_tokens(engine, pair, body.truncate_prompt_tokens, side, longest)
         if not token_ids:
             raise invalid_request(f"{name}[{position}] and its pair are empty.", name)
-        prompt = truncated(
-            Prompt(token_ids, ""), body.truncate_prompt_tokens, engine, side, longest
-        )
+        prompt = Prompt(token_ids, "")
         if len(prompt.token_ids) > longest:
             raise invalid_request(
                 f"{name}[{position}] and its pair have {len(prompt.token_ids)} tokens; this model "
@@ -199,11 +199,37 @@ async def _cross_encoded(
     options = EmbeddingOptions(check_model(body.model, engine), body.priority, body.cache_salt)
     prompts = pooled_prompts([encoded[pair] for pair in distinct], head)
     states = await embed_prompts(request, prompts, options)
+    activated = _activated(body)
     score = {
-        pair: probabilities(head.logits(state))[0]
-        for pair, state in zip(distinct, states, strict=True)
+        pair: probabilities(logits)[0] if activated else logits[0]
+        for pair, logits in zip(distinct, head.logits(states), strict=True)
     }
     return [score[pair] for pair in pairs], sum(len(encoded[pair].token_ids) for pair in pairs)
+
+
+def _pair_tokens(
+    engine: Any, pair: tuple[str, str], limit: int | None, side: str, longest: int
+) -> list[int]:
+    """The two texts encoded as the tokenizer encodes a pair; with truncate_prompt_tokens, cut
+    as the tokenizer cuts a pair (the longer text first, as vLLM asks it to), so a long query
+    cannot push its document out."""
+    if limit is None:
+        return list(engine.tokenizer(*pair)["input_ids"])
+    tokenizer = engine.tokenizer
+    kept_side = tokenizer.truncation_side
+    tokenizer.truncation_side = side
+    try:
+        max_length = longest if limit == -1 else min(limit, longest)
+        encoded = tokenizer(*pair, truncation=True, max_length=max_length)
+    finally:
+        tokenizer.truncation_side = kept_side
+    return list(encoded["input_ids"])
+
+
+def _activated(body: _ScoringRequest) -> bool:
+    """vLLM's use_activation (activation before 0.32): a cross-encoder's sigmoid, default on."""
+    chosen = body.use_activation if body.use_activation is not None else body.activation
+    return chosen is not False
 
 
 async def _cosines(

@@ -109,3 +109,29 @@ def test_probabilities_are_softmax_or_a_sigmoid_for_one_label():
     assert probabilities([-1000.0]) == [0.0] and probabilities([1000.0]) == [1.0]
     assert probabilities([1.0, 1.0]) == [0.5, 0.5]
     assert probabilities([1000.0, 0.0]) == pytest.approx([1.0, 0.0])
+
+
+def test_a_head_of_the_wrong_shape_or_outside_the_checkpoint_is_refused(
+    tmp_path, default_tokenizer
+):
+    from safetensors.torch import save_file
+
+    model = save_classifier(tmp_path, default_tokenizer, "llama", 2)
+    save_file({"score.weight": torch.zeros(2, 64)}, tmp_path / "z_stray.safetensors")
+    head = load_classifier_head(tmp_path, model.config)  # only model.safetensors is read
+    assert torch.equal(head.weight, model.score.weight.float())
+    model.config.num_labels = 3
+    with pytest.raises(ValueError, match=r"is \(2, 64\), not \(num_labels, hidden_size\)"):
+        load_classifier_head(tmp_path, model.config)
+
+
+def test_a_score_bias_is_ignored_as_transformers_ignores_it(tmp_path, default_tokenizer):
+    from safetensors.torch import load_file, save_file
+
+    model = save_classifier(tmp_path, default_tokenizer, "qwen2", 3)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({**weights, "score.bias": torch.ones(3)}, tmp_path / "model.safetensors")
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64)
+    (output,) = llm.classify([TEXTS[0]])
+    want = hf_probabilities(model, default_tokenizer.encode(TEXTS[0]))
+    assert output.probs == pytest.approx(want, abs=1e-5)

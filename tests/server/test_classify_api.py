@@ -100,6 +100,28 @@ def test_a_cross_encoder_scores_and_reranks_each_pair(reranker, default_tokenize
     )
     (item,) = client.post("/classify", json={"input": [query]}).json()["data"]
     assert item["num_classes"] == 1 and 0.0 < item["probs"][0] < 1.0  # a sigmoid
+    raw = client.post(
+        "/score", json={"text_1": query, "text_2": documents, "use_activation": False}
+    )
+    logits = torch.tensor([item["score"] for item in raw.json()["data"]])
+    assert torch.sigmoid(logits).tolist() == pytest.approx(want, abs=1e-5)
+    assert client.get("/model_info").json()["is_generation"] is False
+
+
+def test_a_cross_encoder_cuts_a_long_pair_as_the_tokenizer_cuts_a_pair(reranker, default_tokenizer):
+    model, client = reranker
+    query = "Where is the city that is the capital of France, on which river, and how big?"
+    documents = ["Paris is in France.", "Bananas are yellow."]
+    body = {"query": query, "documents": documents, "truncate_prompt_tokens": 12}
+    ranked = client.post("/rerank", json=body).json()["results"]
+    want = {
+        index: hf_probabilities(
+            model, default_tokenizer(query, document, truncation=True, max_length=12)["input_ids"]
+        )[0]
+        for index, document in enumerate(documents)
+    }
+    assert {r["index"]: r["relevance_score"] for r in ranked} == pytest.approx(want, abs=1e-5)
+    assert want[0] != pytest.approx(want[1])  # each document kept a part of itself
 
 
 def test_classify_needs_a_classifier(client):
