@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,8 @@ from pagedserve.engine.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 
 PromptInput = str | list[int]
@@ -131,6 +134,44 @@ class LLM:
             )
             for logits in head.logits(states)
         ]
+
+    def score(
+        self, text_1: str | Sequence[str], text_2: str | Sequence[str]
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's: each pair's score, `text_1` (one text) against each of `text_2`, or the two
+        lists pairwise. A cross-encoder (a one-label classifier) scores the pair encoded as the
+        tokenizer encodes a pair, by the sigmoid of its head; another model by the cosine of the
+        two texts' embeddings (the server's /score, server/routes/scores.py)."""
+        left = [text_1] if isinstance(text_1, str) else list(text_1)
+        right = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(left) == 1:
+            left = left * len(right)
+        if len(left) != len(right) or not right:
+            raise ValueError(f"{len(left)} first texts for {len(right)} second texts")
+        pairs = list(zip(left, right, strict=True))
+        head = self.engine.classifier
+        if head is None:
+            return self._cosines(pairs)
+        if head.num_labels != 1:
+            raise ValueError(f"scores need a one-label classifier; this one has {head.num_labels}")
+        token_ids = [head.pooled(self.tokenizer(*pair)["input_ids"]) for pair in pairs]
+        states = [output.outputs.embedding for output in self.embed(token_ids, normalize=False)]
+        logits = head.logits(states)
+        return [
+            ScoringRequestOutput(ids, ScoringOutput(probabilities(row)[0]))
+            for ids, row in zip(token_ids, logits, strict=True)
+        ]
+
+    def _cosines(self, pairs: list[tuple[str, str]]) -> list[ScoringRequestOutput]:
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))  # each embedded once
+        vectors = dict(zip(texts, self.embed(texts), strict=True))
+        outputs = []
+        for first, second in pairs:
+            a, b = vectors[first], vectors[second]
+            cosine = math.fsum(map(float.__mul__, a.outputs.embedding, b.outputs.embedding))
+            ids = a.prompt_token_ids + b.prompt_token_ids
+            outputs.append(ScoringRequestOutput(ids, ScoringOutput(cosine)))
+        return outputs
 
     def _add_all(
         self, prompts: list[PromptInput], params_list: list[SamplingParams]

@@ -93,6 +93,19 @@ class ClassificationOutput:
 
 
 @dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """One pair's score (offline API, vLLM's shape: `output.outputs.score`)."""
+
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+
+
+@dataclass(slots=True)
 class EmbeddingRequestOutput:
     """One prompt's embedding (offline API, vLLM's shape: `output.outputs.embedding`)."""
 

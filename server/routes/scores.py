@@ -170,14 +170,8 @@ async def _cross_encoded(
             "Its probabilities: /classify.",
             "model",
         )
-    if len(pairs) > engine.max_waiting_requests:
-        raise invalid_request(
-            f"At most {engine.max_waiting_requests} pairs fit in one request (the server's "
-            f"max_waiting_requests); got {len(pairs)}.",
-            name,
-        )
-    side = body.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
-    longest = engine.max_model_len - 1  # room for the one token the engine samples
+    _check_fits(engine, len(pairs), "pairs fit in one request", name)
+    side, longest = _truncation(body, engine)
     encoded = {}
     for position, pair in enumerate(pairs):
         if pair in encoded:
@@ -263,14 +257,8 @@ def _tokenized(
 ) -> dict[str, Prompt]:
     """Each text of one side as its (truncated) prompt; a side longer than the server takes in
     one request, or a text with no room, is a 400 naming the side's field."""
-    if len(texts) > engine.max_waiting_requests:
-        raise invalid_request(
-            f"At most {engine.max_waiting_requests} texts fit in {name} (the server's "
-            f"max_waiting_requests); got {len(texts)}.",
-            name,
-        )
-    side = body.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
-    longest = engine.max_model_len - 1  # room for the one token the engine samples
+    _check_fits(engine, len(texts), f"texts fit in {name}", name)
+    side, longest = _truncation(body, engine)
     distinct = list(dict.fromkeys(texts))
     prompts = {
         text: truncated(prompt, body.truncate_prompt_tokens, engine, side, longest)
@@ -286,3 +274,20 @@ def _tokenized(
                 name,
             )
     return prompts
+
+
+def _check_fits(engine: Any, count: int, what: str, name: str) -> None:
+    """Each text or pair is one engine request: no more than the server runs at once."""
+    if count > engine.max_waiting_requests:
+        raise invalid_request(
+            f"At most {engine.max_waiting_requests} {what} (the server's max_waiting_requests); "
+            f"got {count}.",
+            name,
+        )
+
+
+def _truncation(body: _ScoringRequest, engine: Any) -> tuple[str, int]:
+    """The side truncation cuts from, and the most tokens an input may keep: the context less
+    the one token the engine samples."""
+    side = body.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
+    return side, engine.max_model_len - 1

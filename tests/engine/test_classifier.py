@@ -135,3 +135,26 @@ def test_a_score_bias_is_ignored_as_transformers_ignores_it(tmp_path, default_to
     (output,) = llm.classify([TEXTS[0]])
     want = hf_probabilities(model, default_tokenizer.encode(TEXTS[0]))
     assert output.probs == pytest.approx(want, abs=1e-5)
+
+
+def test_llm_score_is_a_cross_encoder_s_sigmoid_or_the_embeddings_cosine(
+    tmp_path, default_tokenizer
+):
+    model = save_classifier(tmp_path / "reranker", default_tokenizer, "llama", 1)
+    reranker = LLM(model=str(tmp_path / "reranker"), dtype="float32", num_kv_blocks=64)
+    outputs = reranker.score(TEXTS[0], TEXTS)
+    for document, output in zip(TEXTS, outputs, strict=True):
+        pair = default_tokenizer(TEXTS[0], document)["input_ids"]
+        assert output.outputs.score == pytest.approx(hf_probabilities(model, pair)[0], abs=1e-5)
+        assert output.prompt_token_ids == pair
+    with pytest.raises(ValueError, match="2 first texts for 3"):
+        reranker.score(TEXTS, [*TEXTS, "x"])
+    with pytest.raises(ValueError, match="one-label"):
+        LLM(model=str(_saved(tmp_path / "three", default_tokenizer)), dtype="float32").score(
+            "a", "b"
+        )
+
+
+def _saved(folder, tokenizer):
+    save_classifier(folder, tokenizer, "qwen2", 3)
+    return folder

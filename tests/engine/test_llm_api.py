@@ -174,3 +174,11 @@ def test_a_refused_prompt_leaves_nothing_queued(llm):
             call()
         assert not llm.engine.has_unfinished_requests()
     assert llm.generate("Hi", SamplingParams(max_tokens=2))[0].finished  # still serves
+
+
+def test_score_is_the_cosine_of_the_embeddings_for_a_generative_model(llm):
+    texts = ["The capital of France is", "Paris is a city."]
+    first, second = llm.score(texts[0], texts)
+    assert first.outputs.score == pytest.approx(1.0, abs=1e-5)
+    a, b = (output.outputs.embedding for output in llm.embed(texts))
+    assert second.outputs.score == pytest.approx(sum(x * y for x, y in zip(a, b, strict=True)))
