@@ -283,6 +283,12 @@ class ServerConfig(_Section):
         parse_bytes(value)  # raises, naming the value, if it is no size
         return value
 
+    profiler_dir: str | None = Field(
+        None,
+        description="serve POST /start_profile and /stop_profile, which write torch.profiler "
+        "traces of the engine's steps into this folder (vLLM's VLLM_TORCH_PROFILER_DIR; "
+        "default: off)",
+    )
     # The state lists request ids and block tables (no text): fine on a loopback bind, a choice to
     # make on a public one.
     enable_engine_state: bool | None = Field(

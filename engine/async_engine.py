@@ -28,6 +28,7 @@ from pagedserve.engine.errors import (
 )
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import EngineStats, RequestDelta
+from pagedserve.engine.profiling import StepProfiler
 from pagedserve.engine.runtime_lora import RuntimeLoRA
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class AsyncEngine(RuntimeLoRA, BetweenSteps, Compiling):
         self._dead_reason: str | None = None
         self._pending_calls: set[asyncio.Future[Any]] = set()  # answered by the engine thread
         self._compiling: dict[str, bool] = {}  # engine/compiling.py
+        self._profiler = StepProfiler()  # engine/between_steps.py
 
     # ---- EngineClient surface --------------------------------------------------------------
     model_name = _engine_attribute("model_name")

@@ -1,14 +1,17 @@
 """What the server asks of the engine between two steps, on the engine thread (the only thread
-that may touch the bookkeeping): a snapshot of its state (/v1/engine/state, the dashboard) and a
-reset of the prefix cache (vLLM's /reset_prefix_cache, SGLang's /flush_cache)."""
+that may touch the bookkeeping): a snapshot of its state (/v1/engine/state, the dashboard), a
+reset of the prefix cache (vLLM's /reset_prefix_cache, SGLang's /flush_cache), and the start and
+end of a profile of its steps (/start_profile, /stop_profile)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.engine.errors import EngineDeadError
+from pagedserve.engine.profiling import StepProfiler
 from pagedserve.engine.state import EngineState, build_engine_state, take_engine_state
 
 if TYPE_CHECKING:
@@ -19,6 +22,8 @@ _STATE_TIMEOUT_S = 30.0  # a snapshot waits for at most the step in progress; th
 
 class BetweenSteps:
     """`AsyncEngine`'s calls that run between two steps (mixed in; it runs `_on_engine_thread`)."""
+
+    _profiler: StepProfiler  # AsyncEngine's
 
     async def _on_engine_thread(self, call: Callable[[LLMEngine], Any]) -> Any:
         raise NotImplementedError  # AsyncEngine's
@@ -31,6 +36,15 @@ class BetweenSteps:
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             raise EngineDeadError("the engine did not answer a state request in time") from None
         return build_engine_state(raw)
+
+    async def start_profile(self) -> None:
+        """Trace the engine's steps from the next one on (engine/profiling.py); raises
+        ProfilingError if a trace is running already."""
+        await self._on_engine_thread(self._profiler.start)
+
+    async def stop_profile(self, folder: Path) -> Path:
+        """End the trace and write it into `folder`; returns its file."""
+        return await self._on_engine_thread(lambda engine: self._profiler.stop(engine, folder))
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached block, if no request is queued or running (a running request's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, Protocol
 
 from pagedserve.configs import SamplingParams
@@ -53,6 +54,14 @@ class EngineClient(Protocol):
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached block if no request is queued or running; whether it did."""
+        ...
+
+    async def start_profile(self) -> None:
+        """Trace the engine's steps (engine/profiling.py); ProfilingError if one runs already."""
+        ...
+
+    async def stop_profile(self, folder: Path) -> Path:
+        """End the trace, write it into `folder` and return its file; ProfilingError if none."""
         ...
 
     async def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> None:

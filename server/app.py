@@ -33,6 +33,7 @@ from pagedserve.server.routes import (
     generate,
     lora,
     models,
+    profile,
     responses,
     router_support,
     sagemaker,
@@ -93,6 +94,8 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
         app.include_router(family.router)
     if config.model.allow_runtime_lora_updating:
         app.include_router(lora.router)
+    if config.server.profiler_dir is not None:
+        app.include_router(profile.router)
     install_exception_handlers(app)
     # Added innermost first: CORS (outermost, when on) -> context -> auth -> body limit -> app,
     # so that unauthenticated clients are turned away before their body is read.

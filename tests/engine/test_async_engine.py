@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import threading
 import time
 
@@ -17,6 +18,7 @@ from pagedserve.configs import EngineConfig, SamplingParams, StructuredOutputs
 from pagedserve.engine import async_engine as async_engine_module
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedserve.engine.profiling import ProfilingError
 from tests.engine.conftest import make_engine, make_tiny_model
 
 PROMPT = [17, 300, 42, 999, 8, 64, 7]
@@ -125,6 +127,29 @@ def test_an_abort_while_the_grammar_compiles_ends_the_request_before_it_is_queue
     deltas, queued = asyncio.run(scenario())
     assert [(d.finished, d.finish_reason, d.new_token_ids) for d in deltas] == [(True, "abort", ())]
     assert not queued
+
+
+def test_a_profile_traces_the_steps_between_start_and_stop(tiny_loaded, tmp_path):
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def scenario() -> tuple:
+        engine = started_engine(tiny_loaded)
+        await engine.start()
+        with pytest.raises(ProfilingError, match="no profile is running"):
+            await engine.stop_profile(tmp_path)
+        await engine.start_profile()
+        with pytest.raises(ProfilingError, match="already running"):
+            await engine.start_profile()
+        deltas = [delta async for delta in engine.generate(PROMPT, params, "traced")]
+        trace = await engine.stop_profile(tmp_path / "traces")
+        await engine.shutdown()
+        return deltas, trace
+
+    deltas, trace = asyncio.run(scenario())
+    assert deltas[-1].num_output_tokens == 3
+    names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+    assert "pagedserve::paged_attention" in names  # the engine thread's steps, kernel included
+    assert any(str(name).startswith("aten::") for name in names)
 
 
 def test_a_request_arriving_during_shutdown_is_refused_not_left_waiting(tiny_loaded):

@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from fastapi.testclient import TestClient
 from pagedserve.configs import EngineConfig, SamplingParams, load_engine_config
 from pagedserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from pagedserve.engine.outputs import EngineStats, RequestDelta, RequestTimings, TokenLogprob
+from pagedserve.engine.profiling import ProfilingError
 from pagedserve.server.app import create_app
 
 EOS_TOKEN_ID = 257
@@ -104,6 +106,7 @@ class FakeEngine:
         self.lora_adapters: dict[str, str] = {}  # name -> folder, as AsyncEngine's
         self.lora_failure: Exception | None = None  # what the next load raises
         self.prefix_cache_resets = 0
+        self.profiling = False
         # An aborted request's hanging stream ends with an "abort" delta, as the engine's does.
         self._abort_events: dict[str, asyncio.Event] = {}
 
@@ -116,6 +119,19 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
         self._abort_events.setdefault(request_id, asyncio.Event()).set()
+
+    async def start_profile(self) -> None:  # as AsyncEngine's (engine/profiling.py)
+        if self.profiling:
+            raise ProfilingError("a profile is already running; stop it first")
+        self.profiling = True
+
+    async def stop_profile(self, folder: Path) -> Path:
+        if not self.profiling:
+            raise ProfilingError("no profile is running; start one first")
+        self.profiling = False
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "trace.json").write_text('{"traceEvents": []}')
+        return folder / "trace.json"
 
     async def reset_prefix_cache(self) -> bool:
         """As AsyncEngine: only while nothing is in flight."""

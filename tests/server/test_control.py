@@ -87,3 +87,13 @@ def test_a_stuck_engine_gets_a_503_not_a_hang(client, engine, monkeypatch):
     engine.reset_prefix_cache = never  # type: ignore[method-assign]
     assert client.post("/flush_cache").status_code == 503
     assert client.post("/reset_prefix_cache").status_code == 503
+
+
+def test_profiles_are_served_only_with_a_profiler_dir(client_with, tmp_path):
+    assert client_with().post("/start_profile").status_code == 404  # off by default, as vLLM
+    client = client_with(profiler_dir=str(tmp_path))
+    assert client.post("/stop_profile").json()["error"]["message"].startswith("no profile")
+    assert client.post("/start_profile").json() == {"status": "profiling"}
+    assert client.post("/start_profile").status_code == 400  # one at a time
+    stopped = client.post("/stop_profile").json()
+    assert stopped["status"] == "stopped" and stopped["trace"] == str(tmp_path / "trace.json")

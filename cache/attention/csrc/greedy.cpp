@@ -87,6 +87,7 @@ int64_t argmax_row(const T* row, int64_t n) {
 }  // namespace
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
+  RECORD_FUNCTION("pagedserve::argmax_rows", std::vector<c10::IValue>());
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(),
               "logits must be a contiguous 2-D CPU tensor [rows, vocab]");
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,

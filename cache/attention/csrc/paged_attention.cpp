@@ -1342,6 +1342,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                               const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                               double scale, int64_t sliding_window, double softcap,
                               const c10::optional<at::Tensor>& sinks) {
+  RECORD_FUNCTION("pagedserve::paged_attention", std::vector<c10::IValue>());
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query must be [num_tokens, num_heads, "
               "head_dim] and key_cache [num_blocks, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() &&

@@ -368,6 +368,7 @@ at::Tensor pack_panels(const at::Tensor& weight) {
 }
 
 at::Tensor panel_linear(const at::Tensor& input, const at::Tensor& panels, int64_t out_features) {
+  RECORD_FUNCTION("pagedserve::panel_linear", std::vector<c10::IValue>());
   const auto dtype = input.scalar_type();
   TORCH_CHECK(input.device().is_cpu() && panels.device().is_cpu(), "panel_linear is CPU-only");
   TORCH_CHECK(panels.scalar_type() == dtype, "input and panels must have the same dtype");

@@ -57,6 +57,7 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& output,
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
+  RECORD_FUNCTION("pagedserve::rms_norm", std::vector<c10::IValue>());
   const auto dtype = input.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype,
               "rms_norm takes float32 or bfloat16 input and a weight of the same dtype");

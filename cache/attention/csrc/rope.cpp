@@ -60,6 +60,7 @@ void rotate_rows(const at::Tensor& states, const at::Tensor& cos, const at::Tens
 
 void rope_(const at::Tensor& states, const at::Tensor& cos, const at::Tensor& sin,
            int64_t num_heads, int64_t head_dim) {
+  RECORD_FUNCTION("pagedserve::rope_", std::vector<c10::IValue>());
   const auto dtype = states.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rope_ takes float32 or bfloat16");
   for (const auto* tensor : {&states, &cos, &sin}) {

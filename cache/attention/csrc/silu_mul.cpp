@@ -151,6 +151,7 @@ void silu_mul_rows(const at::Tensor& x, at::Tensor& output) {
 }  // namespace
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
+  RECORD_FUNCTION("pagedserve::silu_mul", std::vector<c10::IValue>());
   const auto dtype = gate_up.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "silu_mul takes float32 or bfloat16 input");

@@ -111,6 +111,7 @@ constexpr TileFn kTileFns[kRowTile] = {
 }  // namespace
 
 at::Tensor skinny_linear_fp32(const at::Tensor& input, const at::Tensor& weight) {
+  RECORD_FUNCTION("pagedserve::skinny_linear_fp32", std::vector<c10::IValue>());
   TORCH_CHECK(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "skinny_linear_fp32 takes float32 input and weight");
   TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), "skinny_linear_fp32 is CPU-only");

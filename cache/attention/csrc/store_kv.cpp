@@ -34,6 +34,7 @@ void check_rows(const at::Tensor& rows, const at::Tensor& cache, const char* nam
 
 void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
               at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  RECORD_FUNCTION("pagedserve::store_kv", std::vector<c10::IValue>());
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
                   key_cache.scalar_type() == value_cache.scalar_type(),
               "the caches must be [num_blocks, block_size, num_kv_heads, head_dim], alike");
