@@ -17,7 +17,7 @@ from pagedserve.engine.state import EngineState, build_engine_state, take_engine
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
 
-_STATE_TIMEOUT_S = 30.0  # a snapshot waits for at most the step in progress; this is a backstop
+ANSWER_TIMEOUT_S = 30.0  # a call waits for at most the step in progress; this is a backstop
 
 
 class BetweenSteps:
@@ -28,28 +28,34 @@ class BetweenSteps:
     async def _on_engine_thread(self, call: Callable[[LLMEngine], Any]) -> Any:
         raise NotImplementedError  # AsyncEngine's
 
+    async def _between_steps(self, call: Callable[[LLMEngine], Any], what: str) -> Any:
+        """`call(engine)` on the engine thread; EngineDeadError (a 503) if a stuck engine does
+        not answer within ANSWER_TIMEOUT_S."""
+        try:
+            return await asyncio.wait_for(self._on_engine_thread(call), ANSWER_TIMEOUT_S)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            raise EngineDeadError(f"the engine did not answer {what} in time") from None
+
     async def engine_state(self) -> EngineState:
         """The block pool and queues, snapshotted on the engine thread between steps."""
-        call = self._on_engine_thread(take_engine_state)
-        try:
-            raw = await asyncio.wait_for(call, _STATE_TIMEOUT_S)
-        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-            raise EngineDeadError("the engine did not answer a state request in time") from None
-        return build_engine_state(raw)
+        return build_engine_state(await self._between_steps(take_engine_state, "a state request"))
 
-    async def start_profile(self) -> None:
-        """Trace the engine's steps from the next one on (engine/profiling.py); raises
-        ProfilingError if a trace is running already."""
-        await self._on_engine_thread(self._profiler.start)
+    async def start_profile(self, folder: Path) -> None:
+        """Trace the engine's steps from the next one on, to be written into `folder`
+        (engine/profiling.py); ProfilingError if a trace runs already or the folder cannot be
+        made."""
+        await self._between_steps(lambda engine: self._profiler.start(engine, folder), "a profile")
 
-    async def stop_profile(self, folder: Path) -> Path:
-        """End the trace and write it into `folder`; returns its file."""
-        return await self._on_engine_thread(lambda engine: self._profiler.stop(engine, folder))
+    async def stop_profile(self) -> Path:
+        """End the trace (on the engine thread) and write it (off it: steps go on meanwhile);
+        returns its file."""
+        finished = await self._between_steps(lambda engine: self._profiler.stop(), "a profile")
+        return await asyncio.to_thread(finished.write)
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached block, if no request is queued or running (a running request's
         shared blocks must stay); returns whether the cache was reset."""
-        return bool(await self._on_engine_thread(_reset_prefix_cache))
+        return bool(await self._between_steps(_reset_prefix_cache, "a cache reset"))
 
 
 def _reset_prefix_cache(engine: LLMEngine) -> bool:

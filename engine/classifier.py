@@ -52,6 +52,10 @@ class ClassifierHead:
             )
         return (hidden @ self.weight.T).tolist()
 
+    def best_label(self, logits: Sequence[float]) -> str:
+        """The label of the largest logit (the first of equal ones)."""
+        return self.labels[max(range(len(logits)), key=logits.__getitem__)]
+
     def pooled(self, token_ids: list[int]) -> list[int]:
         """The tokens up to the last one that is not padding (transformers pools there; the
         state at a position does not depend on the tokens after it, so dropping the trailing

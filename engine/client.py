@@ -56,12 +56,13 @@ class EngineClient(Protocol):
         """Forget every cached block if no request is queued or running; whether it did."""
         ...
 
-    async def start_profile(self) -> None:
-        """Trace the engine's steps (engine/profiling.py); ProfilingError if one runs already."""
+    async def start_profile(self, folder: Path) -> None:
+        """Trace the engine's steps into `folder` (engine/profiling.py); ProfilingError if one
+        runs already or the folder cannot be made."""
         ...
 
-    async def stop_profile(self, folder: Path) -> Path:
-        """End the trace, write it into `folder` and return its file; ProfilingError if none."""
+    async def stop_profile(self) -> Path:
+        """End the trace, write it and return its file; ProfilingError if none runs."""
         ...
 
     async def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from pagedserve.engine.errors import EngineDeadError
+from pagedserve.engine.errors import EngineDeadError, EngineOverloadedError
 from pagedserve.engine.inputs import ValidatedRequest
 from pagedserve.engine.outputs import RequestDelta
 
@@ -36,6 +36,8 @@ class Compiling:
         deadline, raises here, nothing queued. None: the request was aborted meanwhile."""
         constraint = validated.params.structured_outputs
         assert constraint is not None
+        if validated.request_id in self._compiling:  # the same id compiling twice: as in flight
+            raise EngineOverloadedError(f"request id {validated.request_id!r} is already in flight")
         self._compiling[validated.request_id] = False
         try:
             grammar = await self._engine.structured.compiler.compiled(constraint)
@@ -54,8 +56,17 @@ class Compiling:
 
 def aborted_unqueued(request: ValidatedRequest) -> list[RequestDelta]:
     """The final deltas of a request aborted before it was queued: every choice, nothing made."""
-    num_prompt_tokens = len(request.prompt_token_ids)
     return [
-        RequestDelta(request.request_id, index, (), "", None, num_prompt_tokens, 0, True, "abort")
+        RequestDelta(
+            request.request_id,
+            index,
+            new_token_ids=(),
+            new_text="",
+            new_logprobs=None,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_output_tokens=0,
+            finished=True,
+            finish_reason="abort",
+        )
         for index in range(request.params.n)
     ]

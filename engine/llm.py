@@ -127,11 +127,7 @@ class LLM:
         ]
         states = [output.outputs.embedding for output in self.embed(token_ids, normalize=False)]
         return [
-            ClassificationOutput(
-                probabilities(logits),
-                head.labels[max(range(head.num_labels), key=logits.__getitem__)],
-                logits,
-            )
+            ClassificationOutput(probabilities(logits), head.best_label(logits), logits)
             for logits in head.logits(states)
         ]
 

@@ -67,9 +67,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        # Fails what is still pending, so streams that are still open end with a final event.
-        await engine.shutdown()
+        # Background responses first, stored as cancelled; then the engine aborts what is still
+        # pending, so streams that are still open end with a final event.
         await app.state.background_responses.stop_all()
+        await engine.shutdown()
         if owns_engine:
             thaw_startup_objects()
 

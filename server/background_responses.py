@@ -1,10 +1,10 @@
-"""Background responses (OpenAI's `background: true`): POST /v1/responses answers at once with
-the response `queued`, the generation runs on as a task of its own, detached from the request
-that started it (a client may leave and poll), and GET /v1/responses/{id} shows it as stored:
-`queued`, `in_progress`, then `completed`, `incomplete`, `failed` or `cancelled`. POST
-/v1/responses/{id}/cancel (or DELETE) stops it; its engine request is aborted, as on a
-client's disconnect. Server shutdown ends running ones (`failed` when the engine's shutdown ended
-their request, else `cancelled`).
+"""Background responses (OpenAI's `background: true`): POST /v1/responses answers with the
+response `queued` once the request is accepted (validated, queued, its first token out, as a
+stream's first event waits for it), the generation runs on as a task of its own, detached from
+the request that started it (a client may leave and poll), and GET /v1/responses/{id} shows it
+as stored: `queued`, `in_progress`, then `completed`, `incomplete`, `failed` or `cancelled`.
+POST /v1/responses/{id}/cancel (or DELETE, or /abort_request on its engine request) stops it,
+as on a client's disconnect. Server shutdown cancels the running ones, before the engine stops.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class BackgroundResponses:
         task.add_done_callback(lambda _: self._runs.pop(response_id, None))
 
     def is_running(self, response_id: str) -> bool:
+        """Whether it still runs (then it is cancellable even if the store forgot it)."""
         return response_id in self._runs
 
     async def stop_all(self) -> None:
@@ -85,8 +86,13 @@ async def _run(
                 if event["type"] == "response.in_progress":
                     response.status = "in_progress"
                     keep(response)
-        # builder.finish() stored it, completed or incomplete
+        if builder.aborted:  # /abort_request: what it had written, cancelled
+            response.status, response.incomplete_details = "cancelled", None
+            keep(response)
+        # else builder.finish() stored it, completed or incomplete
     except asyncio.CancelledError:
+        # Only `cancel` cancels this task, and it awaits the task's end: nothing above it
+        # needs the cancellation to propagate, and the stored status is the point.
         response.status = "cancelled"
         keep(response)
     except Exception as exc:  # noqa: BLE001 - the run's failure is its stored status

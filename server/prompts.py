@@ -46,16 +46,21 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
             )
 
 
-def encode_text(
-    engine: EngineClient, text: str, param: str, add_special_tokens: bool = True
-) -> list[int]:
-    """Tokenize user text; text that is not valid Unicode (a lone surrogate) is a 400."""
+def check_unicode(text: str, param: str) -> None:
+    """A 400 for text that is not valid Unicode (a lone surrogate), which no tokenizer reads."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise invalid_request(
             "The text is not valid Unicode (it contains a lone surrogate).", param
         ) from None
+
+
+def encode_text(
+    engine: EngineClient, text: str, param: str, add_special_tokens: bool = True
+) -> list[int]:
+    """Tokenize user text (check_unicode first)."""
+    check_unicode(text, param)
     return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 

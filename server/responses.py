@@ -325,6 +325,11 @@ class ResponseBuilder:
             self._finish_reason = choice.finish_reason or self._finish_reason
         return events
 
+    @property
+    def aborted(self) -> bool:
+        """Whether the engine ended the reply with an abort (/abort_request, shutdown)."""
+        return self._finish_reason == "abort"
+
     def finish(self) -> list[dict[str, Any]]:
         """Close the open item and the response: `completed`, or `incomplete` when the output
         reached max_output_tokens (and so does the item it cut short)."""

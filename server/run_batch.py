@@ -32,6 +32,8 @@ import httpx
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pagedserve.server.errors import invalid_request
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_URLS = (
@@ -157,12 +159,9 @@ class _Batch:
 
     async def _answer(self, request: BatchRequestInput) -> tuple[int, str, Any]:
         """(status, the server's request id, the body or the error) for one request."""
-        if request.url not in SUPPORTED_URLS:
-            supported = ", ".join(SUPPORTED_URLS)
-            message = f"URL {request.url} is not supported; supported: {supported}."
-            return 400, uuid.uuid4().hex, message
-        if request.body.get("stream"):
-            return 400, uuid.uuid4().hex, "Request must not be sent in stream mode."
+        refusal = _refusal(request)
+        if refusal is not None:  # in the server's error shape, as every refused line's
+            return 400, uuid.uuid4().hex, invalid_request(*refusal).body()
         # As the line had it: NaN and Infinity reach the server, which answers them with a 400.
         content = json.dumps(request.body, ensure_ascii=False).encode()
         give_up = time.monotonic() + RETRY_FOR_S
@@ -179,6 +178,21 @@ class _Batch:
         except ValueError:
             answer = response.text
         return response.status_code, response.headers.get("x-request-id", ""), answer
+
+
+def _refusal(request: BatchRequestInput) -> tuple[str, str] | None:
+    """(message, param) for a line this runner does not send: a url it does not serve, or a
+    body asking for an answer that is not one JSON body (a stream, a background response)."""
+    if request.url not in SUPPORTED_URLS:
+        supported = ", ".join(SUPPORTED_URLS)
+        return f"URL {request.url} is not supported; supported: {supported}.", "url"
+    for field in ("stream", "background"):
+        if request.body.get(field):
+            return (
+                f"Request must not be sent with {field}: a batch line answers in one body.",
+                field,
+            )
+    return None
 
 
 async def run_batch(
@@ -217,7 +231,9 @@ def _output_mode(target: Path) -> int:
 
 
 async def _write_in_order(lines: list[Any], write: Callable[[str], Any]) -> None:
-    """Run the line coroutines together; write each answer once those before it are written."""
+    """Run the line coroutines together (each waits for the server's admission); write each
+    answer once those before it are written. On a failure the others are cancelled, and their
+    end awaited, before the engine is shut down."""
     tasks = [asyncio.ensure_future(line) for line in lines]
     try:
         for task in tasks:
@@ -225,3 +241,4 @@ async def _write_in_order(lines: list[Any], write: Callable[[str], Any]) -> None
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -47,6 +47,12 @@ def classifier_of(engine: Any, route: str) -> ClassifierHead:
     return head
 
 
+def activation_wanted(use_activation: bool | None, activation: bool | None) -> bool:
+    """vLLM's `use_activation` (`activation` before 0.32): softmax or sigmoid, on by default."""
+    chosen = use_activation if use_activation is not None else activation
+    return chosen is not False
+
+
 def pooled_prompts(prompts: list[Prompt], head: ClassifierHead) -> list[Prompt]:
     """Each prompt up to its last token that is not padding, where the head reads it."""
     return [Prompt(head.pooled(prompt.token_ids), prompt.text) for prompt in prompts]
@@ -65,15 +71,13 @@ async def create_classification(body: ClassificationRequest, request: Request) -
     ]
     options = EmbeddingOptions(lora, body.priority, body.cache_salt)
     states = await embed_prompts(request, pooled_prompts(prompts, head), options)
-    chosen = body.use_activation if body.use_activation is not None else body.activation
-    activated = chosen is not False
+    activated = activation_wanted(body.use_activation, body.activation)
     data = []
     for index, logits in enumerate(head.logits(states)):
-        best = max(range(head.num_labels), key=logits.__getitem__)
         data.append(
             {
                 "index": index,
-                "label": head.labels[best],
+                "label": head.best_label(logits),
                 "probs": probabilities(logits) if activated else logits,
                 "num_classes": head.num_labels,
             }

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Awaitable
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse, Response
@@ -24,7 +23,6 @@ from pagedserve.server.protocol import _Request
 router = APIRouter()
 _HEX_ID = re.compile(r"[0-9a-f]{32}")  # the server's own request ids (x-request-id)
 MAX_FLUSH_WAIT_S = 600.0
-ENGINE_ANSWER_S = 30.0  # a reset waits at most for the step in progress; this is a backstop
 _POLL_S = 0.05
 
 
@@ -37,16 +35,6 @@ def _busy() -> APIError:
     )
 
 
-async def _answered(reset: Awaitable[bool]) -> bool:
-    """The engine's answer (between two steps); a 503 if a stuck engine gives none."""
-    try:
-        return await asyncio.wait_for(reset, ENGINE_ANSWER_S)
-    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-        raise APIError(
-            503, "The engine did not answer in time.", "server_error", code="engine_unhealthy"
-        ) from None
-
-
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(
     request: Request, timeout: float = Query(0.0, ge=0.0, le=MAX_FLUSH_WAIT_S)
@@ -55,7 +43,7 @@ async def flush_cache(
     to become idle, else a 400."""
     engine = request.app.state.engine
     deadline = time.monotonic() + timeout
-    while not await _answered(engine.reset_prefix_cache()):
+    while not await engine.reset_prefix_cache():
         if time.monotonic() >= deadline:
             raise _busy()
         await asyncio.sleep(_POLL_S)
@@ -76,7 +64,7 @@ async def reset_prefix_cache(
             "is idle.",
             "reset_running_requests",
         )
-    if not await _answered(request.app.state.engine.reset_prefix_cache()):
+    if not await request.app.state.engine.reset_prefix_cache():
         raise _busy()
     return Response(status_code=200)
 

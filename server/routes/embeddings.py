@@ -22,7 +22,7 @@ from pydantic import Field
 from pagedserve.configs import SamplingParams
 from pagedserve.engine.embeddings import normalized
 from pagedserve.engine.errors import RequestFailedError
-from pagedserve.server.errors import invalid_request
+from pagedserve.server.errors import APIError, invalid_request
 from pagedserve.server.generation import EngineInput, start_generation
 from pagedserve.server.prompts import (
     Prompt,
@@ -131,6 +131,13 @@ async def embed_prompts(
     async with aclosing(stream):
         async for prompt_index, delta in stream:
             if delta.finished:
+                if delta.finish_reason == "abort":  # /abort_request, or the engine stopping
+                    raise APIError(
+                        503,
+                        "The request was aborted before its embedding was computed.",
+                        "server_error",
+                        code="aborted",
+                    )
                 if delta.embedding is None:  # cannot happen: every embed request ends with one
                     raise RequestFailedError("The engine returned no embedding.")
                 vectors[prompt_index] = delta.embedding

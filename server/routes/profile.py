@@ -18,8 +18,9 @@ router = APIRouter()
 
 @router.post("/start_profile")
 async def start_profile(request: Request) -> dict[str, Any]:
+    folder = Path(request.app.state.config.server.profiler_dir).expanduser()
     try:
-        await request.app.state.engine.start_profile()
+        await request.app.state.engine.start_profile(folder)
     except ProfilingError as error:
         raise invalid_request(f"{error}.") from None
     return {"status": "profiling"}
@@ -27,9 +28,8 @@ async def start_profile(request: Request) -> dict[str, Any]:
 
 @router.post("/stop_profile")
 async def stop_profile(request: Request) -> dict[str, Any]:
-    folder = Path(request.app.state.config.server.profiler_dir).expanduser()
     try:
-        trace = await request.app.state.engine.stop_profile(folder)
+        trace = await request.app.state.engine.stop_profile()
     except ProfilingError as error:
         raise invalid_request(f"{error}.") from None
     return {"status": "stopped", "trace": str(trace)}

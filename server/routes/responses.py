@@ -69,7 +69,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     keep = _keeper(store, turn) if response.store else None
     builder = ResponseBuilder(response, keep)
     events = response_events(builder, run.chunks())
-    if body.background and keep is not None:
+    if body.background:
+        assert keep is not None  # background needs the store: checked above
         request.app.state.background_responses.start(builder, events, keep)
         return JSONResponse(builder.response.model_dump())
     if body.stream:
@@ -98,10 +99,11 @@ async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
 async def cancel_response(response_id: str, request: Request) -> Response:
     """Stop a background response (OpenAI's): the response as it stands, `cancelled`; one that
     already ended is returned as it ended."""
-    stored = _stored(request, response_id)
-    if not json.loads(stored.response_json).get("background"):
+    background = request.app.state.background_responses
+    if background.is_running(response_id):
+        await background.cancel(response_id)  # stored cancelled, even if the store had forgotten
+    elif not json.loads(_stored(request, response_id).response_json).get("background"):
         raise invalid_request("Only background responses can be cancelled.", "response_id")
-    await request.app.state.background_responses.cancel(response_id)
     return Response(_stored(request, response_id).response_json, media_type="application/json")
 
 
@@ -115,8 +117,9 @@ def _stored(request: Request, response_id: str) -> StoredResponse:
 
 
 def _keeper(store: ResponseStore, turn: list[dict[str, Any]]) -> Callable[[ResponseObject], bool]:
-    """Stores a finished response (one that failed or whose client went away never gets here),
-    as answered: store true, unless it alone is larger than the store."""
+    """Stores the response as it stands: a finished one as answered (one that failed or whose
+    client went away never gets here), a background one at each change of its status; store
+    true, unless it alone is larger than the store."""
 
     def keep(response: ResponseObject) -> bool:
         messages = encode([*turn, *output_messages(response)])

@@ -1,7 +1,7 @@
 """SageMaker's container contract, as vLLM serves it: `GET`/`POST /ping` is the health check,
 `POST /invocations` a request of any kind, sent to the route whose request it is (by the fields
-that only that request has), so one endpoint serves chat, completions, embeddings, scores and
-SGLang's /generate."""
+that only that request has), so one endpoint serves chat, completions, embeddings (a
+classifier's /classify), scores and SGLang's /generate."""
 
 from __future__ import annotations
 

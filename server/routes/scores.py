@@ -23,13 +23,13 @@ from pagedserve.server.errors import invalid_request
 from pagedserve.server.prompts import (
     Prompt,
     check_model,
+    check_unicode,
     completion_prompts,
-    encode_text,
     truncated,
 )
 from pagedserve.server.protocol import _Options
 from pagedserve.server.request_fields import check_request_fields
-from pagedserve.server.routes.classify import classifier_of, pooled_prompts
+from pagedserve.server.routes.classify import activation_wanted, pooled_prompts
 from pagedserve.server.routes.embeddings import EmbeddingOptions, embed_prompts
 
 router = APIRouter()
@@ -151,19 +151,24 @@ async def _scores(
             raise invalid_request(f"{name} is not supported; use truncate_prompt_tokens.", name)
     left, right = first[1], second[1]
     pairs = list(zip(left * len(right) if len(left) == 1 else left, right, strict=True))
+    options = EmbeddingOptions(lora, body.priority, body.cache_salt)
     if engine.classifier is not None:
-        scores, num_tokens = await _cross_encoded(request, body, pairs, second[0])
+        scores, num_tokens = await _cross_encoded(request, body, options, pairs, second[0])
     else:
-        scores, num_tokens = await _cosines(request, body, first, second, pairs)
+        scores, num_tokens = await _cosines(request, body, options, first, second, pairs)
     return scores, num_tokens, lora or engine.model_name
 
 
 async def _cross_encoded(
-    request: Request, body: _ScoringRequest, pairs: list[tuple[str, str]], name: str
+    request: Request,
+    body: _ScoringRequest,
+    options: EmbeddingOptions,
+    pairs: list[tuple[str, str]],
+    name: str,
 ) -> tuple[list[float], int]:
     """A cross-encoder's scores: the sigmoid of its one-label head over each pair."""
     engine = request.app.state.engine
-    head = classifier_of(engine, "Scoring with a classifier")
+    head = engine.classifier
     if head.num_labels != 1:
         raise invalid_request(
             f"This classifier has {head.num_labels} labels; a score needs one (a cross-encoder). "
@@ -177,7 +182,7 @@ async def _cross_encoded(
         if pair in encoded:
             continue
         for text in pair:  # a lone surrogate is a 400 here, as anywhere else
-            encode_text(engine, text, name, add_special_tokens=False)
+            check_unicode(text, name)
         token_ids = _pair_tokens(engine, pair, body.truncate_prompt_tokens, side, longest)
         if not token_ids:
             raise invalid_request(f"{name}[{position}] and its pair are empty.", name)
@@ -190,10 +195,9 @@ async def _cross_encoded(
             )
         encoded[pair] = prompt
     distinct = list(encoded)
-    options = EmbeddingOptions(check_model(body.model, engine), body.priority, body.cache_salt)
     prompts = pooled_prompts([encoded[pair] for pair in distinct], head)
     states = await embed_prompts(request, prompts, options)
-    activated = _activated(body)
+    activated = activation_wanted(body.use_activation, body.activation)
     score = {
         pair: probabilities(logits)[0] if activated else logits[0]
         for pair, logits in zip(distinct, head.logits(states), strict=True)
@@ -220,15 +224,10 @@ def _pair_tokens(
     return list(encoded["input_ids"])
 
 
-def _activated(body: _ScoringRequest) -> bool:
-    """vLLM's use_activation (activation before 0.32): a cross-encoder's sigmoid, default on."""
-    chosen = body.use_activation if body.use_activation is not None else body.activation
-    return chosen is not False
-
-
 async def _cosines(
     request: Request,
     body: _ScoringRequest,
+    options: EmbeddingOptions,
     first: tuple[str, list[str]],
     second: tuple[str, list[str]],
     pairs: list[tuple[str, str]],
@@ -241,7 +240,6 @@ async def _cosines(
     }
     texts = list(tokens)  # each distinct text embedded once
     prompts = [tokens[text] for text in texts]
-    options = EmbeddingOptions(check_model(body.model, engine), body.priority, body.cache_salt)
     states = await embed_prompts(request, prompts, options)
     unit = torch.nn.functional.normalize(torch.tensor(states), dim=1)
     index = {text: position for position, text in enumerate(texts)}

@@ -131,17 +131,21 @@ def test_an_abort_while_the_grammar_compiles_ends_the_request_before_it_is_queue
 
 def test_a_profile_traces_the_steps_between_start_and_stop(tiny_loaded, tmp_path):
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # no folder can be made under a file
 
     async def scenario() -> tuple:
         engine = started_engine(tiny_loaded)
         await engine.start()
         with pytest.raises(ProfilingError, match="no profile is running"):
-            await engine.stop_profile(tmp_path)
-        await engine.start_profile()
+            await engine.stop_profile()
+        with pytest.raises(ProfilingError, match="cannot make the profile folder"):
+            await engine.start_profile(blocked / "traces")
+        await engine.start_profile(tmp_path / "traces")
         with pytest.raises(ProfilingError, match="already running"):
-            await engine.start_profile()
+            await engine.start_profile(tmp_path / "traces")
         deltas = [delta async for delta in engine.generate(PROMPT, params, "traced")]
-        trace = await engine.stop_profile(tmp_path / "traces")
+        trace = await engine.stop_profile()
         await engine.shutdown()
         return deltas, trace
 
@@ -150,6 +154,25 @@ def test_a_profile_traces_the_steps_between_start_and_stop(tiny_loaded, tmp_path
     names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
     assert "pagedserve::paged_attention" in names  # the engine thread's steps, kernel included
     assert any(str(name).startswith("aten::") for name in names)
+
+
+def test_a_call_between_steps_that_gets_no_answer_is_engine_dead_not_a_hang(
+    tiny_loaded, monkeypatch
+):
+    monkeypatch.setattr("pagedserve.engine.between_steps.ANSWER_TIMEOUT_S", 0.2)
+
+    async def scenario() -> None:
+        engine = started_engine(tiny_loaded, step_delay_s=2.0)  # a step far longer than that
+        await engine.start()
+        stream = engine.generate(PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), "slow")
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.1)  # the engine thread is inside its slow step
+        with pytest.raises(EngineDeadError, match="did not answer a cache reset in time"):
+            await engine.reset_prefix_cache()
+        first.cancel()
+        await engine.shutdown()
+
+    asyncio.run(scenario())
 
 
 def test_a_request_arriving_during_shutdown_is_refused_not_left_waiting(tiny_loaded):

@@ -106,7 +106,7 @@ class FakeEngine:
         self.lora_adapters: dict[str, str] = {}  # name -> folder, as AsyncEngine's
         self.lora_failure: Exception | None = None  # what the next load raises
         self.prefix_cache_resets = 0
-        self.profiling = False
+        self.profiling: Path | None = None  # the running profile's trace
         # An aborted request's hanging stream ends with an "abort" delta, as the engine's does.
         self._abort_events: dict[str, asyncio.Event] = {}
 
@@ -120,18 +120,18 @@ class FakeEngine:
         self.aborted.append(request_id)
         self._abort_events.setdefault(request_id, asyncio.Event()).set()
 
-    async def start_profile(self) -> None:  # as AsyncEngine's (engine/profiling.py)
-        if self.profiling:
+    async def start_profile(self, folder: Path) -> None:  # as AsyncEngine's
+        if self.profiling is not None:
             raise ProfilingError("a profile is already running; stop it first")
-        self.profiling = True
+        self.profiling = folder / "trace.json"
 
-    async def stop_profile(self, folder: Path) -> Path:
-        if not self.profiling:
+    async def stop_profile(self) -> Path:
+        if self.profiling is None:
             raise ProfilingError("no profile is running; start one first")
-        self.profiling = False
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "trace.json").write_text('{"traceEvents": []}')
-        return folder / "trace.json"
+        trace, self.profiling = self.profiling, None
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.write_text('{"traceEvents": []}')
+        return trace
 
     async def reset_prefix_cache(self) -> bool:
         """As AsyncEngine: only while nothing is in flight."""

@@ -11,6 +11,7 @@ import struct
 
 import pytest
 
+from pagedserve.engine.outputs import RequestDelta
 from tests.server.conftest import FakeEngine
 
 
@@ -134,3 +135,12 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(client, body, param, sa
 
 def test_an_unknown_model_is_a_404(client):
     assert _embed(client, model="nope").status_code == 404
+
+
+def test_an_embedding_aborted_before_it_ends_is_a_503_naming_the_abort(client, engine, monkeypatch):
+    async def aborted(prompt_token_ids, params, request_id, priority=0):
+        yield RequestDelta(request_id, 0, (), "", None, len(prompt_token_ids), 0, True, "abort")
+
+    monkeypatch.setattr(engine, "generate", aborted)  # as /abort_request or shutdown ends it
+    response = client.post("/v1/embeddings", json={"input": "hi"})
+    assert response.status_code == 503 and response.json()["error"]["code"] == "aborted"

@@ -422,3 +422,14 @@ def test_a_background_response_still_running_at_shutdown_is_not_left_pending(app
     stored = app.state.response_store.get(body["id"])
     assert json.loads(stored.response_json)["status"] == "cancelled"
     assert not app.state.background_responses.is_running(body["id"])
+
+
+def test_a_background_response_aborted_by_its_request_id_is_stored_cancelled(client, engine):
+    engine.hang_after_first_delta = True
+    queued = _respond(client, background=True)
+    body = queued.json()
+    _poll(client, body["id"], {"in_progress"})
+    aborted = client.post("/abort_request", json={"rid": queued.headers["x-request-id"]})
+    assert aborted.status_code == 200
+    cancelled = _poll(client, body["id"], {"cancelled", "completed"})
+    assert cancelled["status"] == "cancelled" and cancelled["incomplete_details"] is None

@@ -62,16 +62,19 @@ def test_refused_lines_carry_the_server_s_error_and_the_run_goes_on(tmp_path, en
         _line("bad-value", "/v1/completions", {"prompt": "hi", "temperature": -1}),
         _line("no-route", "/v1/images/generations", {"prompt": "a cat"}),
         _line("streamed", "/v1/chat/completions", {**CHAT, "stream": True}),
+        _line("background", "/v1/responses", {"input": "hi", "background": True}),
         _line("unknown-model", "/v1/chat/completions", {**CHAT, "model": "other"}),
         _line("fine", "/v1/chat/completions", CHAT),
     ]
     answers = _run(tmp_path, lines, engine)
     statuses = [answer["response"]["status_code"] for answer in answers]
-    assert statuses == [400, 400, 400, 404, 200]
+    assert statuses == [400, 400, 400, 400, 404, 200]
+    assert answers[3]["error"]["error"]["param"] == "background"
     assert answers[0]["error"]["error"]["param"] == "temperature"
     assert answers[0]["response"]["body"] is None
-    assert "not supported" in answers[1]["error"] and "stream mode" in answers[2]["error"]
-    assert answers[3]["error"]["error"]["code"] == "model_not_found"
+    assert "not supported" in answers[1]["error"]["error"]["message"]
+    assert answers[2]["error"]["error"]["param"] == "stream"  # the server's error shape, always
+    assert answers[4]["error"]["error"]["code"] == "model_not_found"
     assert len(engine.requests) == 1  # only the last line reached the engine
 
 
