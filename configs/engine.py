@@ -246,6 +246,11 @@ class ServerConfig(_Section):
         1 << 20, ge=1024, description="largest accepted request body"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_requests: bool = Field(
+        True,
+        description="log one line per finished request (ids, token counts, finish reasons, "
+        "latency; no text); vLLM's --enable-log-requests / --disable-log-requests also set it",
+    )
     allowed_origins: str | None = Field(
         None,
         description="origins whose web pages may call the API from a browser (CORS), "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -86,6 +87,9 @@ def create_app(config: EngineConfig, engine: EngineClient | None = None) -> Fast
     # strict_content_type=False: a JSON body without a Content-Type header is still parsed.
     app = FastAPI(title="pagedserve", lifespan=_lifespan, strict_content_type=False)
     app.state.config, app.state.engine = config, engine
+    # Each finished request's line (server/recorder.py), off with --no-log-requests
+    request_log = logging.getLogger("pagedserve.server.recorder")
+    request_log.setLevel(logging.NOTSET if config.server.log_requests else logging.WARNING)
     app.state.response_store = ResponseStore(parse_bytes(config.server.responses_store_memory))
     app.state.engine_requests = set()  # ids of the engine requests in flight (server/generation.py)
     app.state.background_responses = BackgroundResponses()

@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model to serve, as `vllm serve MODEL` takes it (the same as --model)",
     )
     _add_config_flags(serve, list(SECTIONS))
+    _add_vllm_log_flags(serve)
     serve.add_argument(
         "--timeout-graceful-shutdown",
         type=float,
@@ -125,11 +126,25 @@ def build_parser() -> argparse.ArgumentParser:
     run_batch.add_argument("-i", "--input-file", required=True, help="the requests (JSONL)")
     run_batch.add_argument("-o", "--output-file", required=True, help="the answers (JSONL)")
     _add_config_flags(run_batch, list(SECTIONS))
+    _add_vllm_log_flags(run_batch)
 
     bench = commands.add_parser("bench", help="run a benchmark: benchmarks.<NAME>.main(args)")
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser
+
+
+def _add_vllm_log_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's names for --log-requests / --no-log-requests, which its deployment scripts pass."""
+    for flag, value in (("--enable-log-requests", True), ("--disable-log-requests", False)):
+        parser.add_argument(
+            flag,
+            dest="log_requests",
+            action="store_const",
+            const=value,
+            default=argparse.SUPPRESS,
+            help=f"vLLM's name for --{'' if value else 'no-'}log-requests",
+        )
 
 
 def _add_replicas_parser(commands: Any) -> None:
@@ -277,16 +292,19 @@ def _run_batch(args: argparse.Namespace, config: EngineConfig, batch: list[Any])
 
     from pagedserve.server.run_batch import run_batch
 
-    if config.server.log_level != "debug":  # progress lines, not one line per request
-        for name in ("httpx", "pagedserve.server.recorder"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    quiet = config.server.log_level != "debug"  # progress lines, not one line per request
+    if quiet:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger(__name__).info(
         "run-batch: %d requests from %s to %s", len(batch), args.input_file, args.output_file
     )
     # The file is the user's own: any line may be as long as the file (the server's body limit
     # guards a public endpoint).
     body_limit = max(config.server.max_request_body_bytes, os.path.getsize(args.input_file) + 1)
-    server = config.server.model_copy(update={"max_request_body_bytes": body_limit})
+    log_requests = config.server.log_requests if "log_requests" in vars(args) else not quiet
+    server = config.server.model_copy(
+        update={"max_request_body_bytes": body_limit, "log_requests": log_requests}
+    )
     app = create_app(config.model_copy(update={"server": server}))
     stopped_by: list[int] = []
 

@@ -198,3 +198,17 @@ def test_a_chat_template_that_cannot_be_used_is_a_usage_error_before_anything_st
         main(["serve", "--chat-template", template])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], True),
+        (["--no-log-requests"], False),
+        (["--disable-log-requests"], False),  # vLLM's names, which its scripts pass
+        (["--enable-log-requests"], True),
+    ],
+)
+def test_request_logging_takes_vllm_s_flags_too(flags, expected):
+    args = build_parser().parse_args(["serve", *flags])
+    assert config_from_args(args, environ={}).server.log_requests is expected

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
@@ -361,3 +362,12 @@ def test_every_served_model_name_is_accepted_and_listed(client_with, engine):
     assert (
         client.post("/v1/completions", json={"model": "other", "prompt": "hi"}).status_code == 404
     )
+
+
+@pytest.mark.parametrize("log_requests", [True, False])
+def test_each_finished_request_is_one_log_line_unless_turned_off(client_with, caplog, log_requests):
+    client = client_with(log_requests=log_requests)
+    with caplog.at_level(logging.INFO):
+        client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    lines = [r for r in caplog.records if r.name == "pagedserve.server.recorder"]
+    assert len(lines) == (1 if log_requests else 0)
