@@ -5,7 +5,7 @@ merged, the client (and server shutdown) watched, every delta recorded (metrics,
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from starlette.requests import Request
@@ -50,7 +50,9 @@ def engine_request_id(http_request_id: str, prompt_idx: int) -> str:
     return f"{http_request_id}-{prompt_idx}"
 
 
-async def _recorded(stream: AsyncIterator[Item], recorder: RequestRecorder) -> AsyncIterator[Item]:
+async def _recorded(
+    stream: AsyncIterator[Item], recorder: RequestRecorder, on_end: Callable[[], None]
+) -> AsyncIterator[Item]:
     # "abort" also when the consumer stops early (its client went away); None: never accepted.
     unfinished_reason: str | None = "abort"
     accepted = False
@@ -78,19 +80,8 @@ async def _recorded(stream: AsyncIterator[Item], recorder: RequestRecorder) -> A
             logger.error("request %s failed", recorder.request_id, exc_info=exc)
         raise
     finally:
+        on_end()
         recorder.close(unfinished_reason)
-
-
-async def _registered(
-    stream: AsyncIterator[Item], ids: list[str], registry: set[str]
-) -> AsyncIterator[Item]:
-    """The engine requests in flight, by id, for /abort_request (server/routes/control.py)."""
-    registry.update(ids)
-    try:
-        async for item in stream:
-            yield item
-    finally:
-        registry.difference_update(ids)
 
 
 def _check_fits(inputs: list[EngineInput], max_in_flight: int) -> None:
@@ -135,9 +126,11 @@ async def start_generation(
     guarded = until_stopped(
         merge_streams(streams), request.receive, request.app.state.stop_requests, abort_all
     )
+    # The engine requests in flight, by id, for /abort_request (server/routes/control.py)
+    registry: set[str] = request.app.state.engine_requests
     sampled = [rid for rid, item in zip(ids, inputs, strict=True) if item.beam is None]
-    registered = _registered(guarded, sampled, request.app.state.engine_requests)
-    stream = _recorded(registered, recorder)
+    registry.update(sampled)
+    stream = _recorded(guarded, recorder, lambda: registry.difference_update(sampled))
     try:
         first = await anext(stream)
     except BaseException:

@@ -328,12 +328,12 @@ class UsageInfo(BaseModel):
 MIN_LOGPROB = -9999.0
 
 
-def _finite_logprob(value: float) -> float:
+def finite_logprob(value: float) -> float:
     return value if value > MIN_LOGPROB else MIN_LOGPROB  # -inf (and NaN) become the floor
 
 
 # Every logprob field serialises through this, so values appended after validation are covered.
-Logprob = Annotated[float, PlainSerializer(_finite_logprob, return_type=float)]
+Logprob = Annotated[float, PlainSerializer(finite_logprob, return_type=float)]
 
 
 class CompletionLogprobs(BaseModel):

@@ -15,10 +15,10 @@ from pydantic import Field
 
 from pagedserve.engine.classifier import ClassifierHead, probabilities
 from pagedserve.server.errors import invalid_request
-from pagedserve.server.prompts import Prompt, check_model, completion_prompts, truncated
+from pagedserve.server.prompts import Prompt, check_model, completion_prompts
 from pagedserve.server.protocol import _Options
 from pagedserve.server.request_fields import check_request_fields
-from pagedserve.server.routes.embeddings import EmbeddingOptions, embed_prompts
+from pagedserve.server.routes.embeddings import EmbeddingOptions, embed_prompts, truncated_inputs
 
 router = APIRouter()
 
@@ -36,11 +36,11 @@ class ClassificationRequest(_Options):
     user: str | None = None
 
 
-def classifier_of(engine: Any, route: str) -> ClassifierHead:
+def classifier_of(engine: Any) -> ClassifierHead:
     head = engine.classifier
     if head is None:
         raise invalid_request(
-            f"{route} needs a sequence classifier (a *ForSequenceClassification checkpoint); "
+            "/classify needs a sequence classifier (a *ForSequenceClassification checkpoint); "
             "this model is not one (its embeddings: /v1/embeddings).",
             "model",
         )
@@ -61,14 +61,11 @@ def pooled_prompts(prompts: list[Prompt], head: ClassifierHead) -> list[Prompt]:
 @router.post("/classify")
 async def create_classification(body: ClassificationRequest, request: Request) -> dict[str, Any]:
     engine = request.app.state.engine
-    head = classifier_of(engine, "/classify")
+    head = classifier_of(engine)
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
-    side = body.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
-    prompts = [
-        truncated(prompt, body.truncate_prompt_tokens, engine, side, engine.max_model_len - 1)
-        for prompt in completion_prompts(body.input, engine, body.add_special_tokens, "input")
-    ]
+    inputs = completion_prompts(body.input, engine, body.add_special_tokens, "input")
+    prompts = truncated_inputs(inputs, body.truncate_prompt_tokens, body.truncation_side, engine)
     options = EmbeddingOptions(lora, body.priority, body.cache_salt)
     states = await embed_prompts(request, pooled_prompts(prompts, head), options)
     activated = activation_wanted(body.use_activation, body.activation)

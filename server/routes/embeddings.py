@@ -76,11 +76,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
     engine = request.app.state.engine
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
-    side = body.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
-    prompts = [
-        truncated(prompt, body.truncate_prompt_tokens, engine, side, engine.max_model_len - 1)
-        for prompt in _prompts(body, engine)
-    ]
+    prompts = truncated_inputs(
+        _prompts(body, engine), body.truncate_prompt_tokens, body.truncation_side, engine
+    )
     options = EmbeddingOptions(lora, body.priority, body.cache_salt)
     vectors = await embed_prompts(request, prompts, options)
     num_prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
@@ -99,6 +97,20 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
         ],
         "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
     }
+
+
+def truncation(engine: Any, side: str | None) -> tuple[str, int]:
+    """The side truncation cuts from (the one asked for, else the tokenizer's) and the most
+    tokens an input may keep: the context less the one token the engine samples and drops."""
+    return side or getattr(engine.tokenizer, "truncation_side", "right"), engine.max_model_len - 1
+
+
+def truncated_inputs(
+    prompts: list[Prompt], limit: int | None, side: str | None, engine: Any
+) -> list[Prompt]:
+    """Each input cut to truncate_prompt_tokens (`limit`; -1: the most an input may keep)."""
+    side, longest = truncation(engine, side)
+    return [truncated(prompt, limit, engine, side, longest) for prompt in prompts]
 
 
 @dataclass(frozen=True, slots=True)

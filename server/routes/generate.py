@@ -38,7 +38,7 @@ from pagedserve.server.prompts import (
     parse_logit_bias,
     resolve_max_tokens,
 )
-from pagedserve.server.protocol import MIN_LOGPROB
+from pagedserve.server.protocol import finite_logprob
 from pagedserve.server.recorder import RequestRecorder
 from pagedserve.server.streams import EventStreamResponse, sse_events
 
@@ -72,9 +72,8 @@ class _Logprobs:
 
     def _triple(self, logprob: float | None, token_id: int) -> list[Any]:
         text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
-        if logprob is not None and not logprob > MIN_LOGPROB:  # -inf (masked) is no JSON number
-            logprob = MIN_LOGPROB
-        return [logprob, token_id, text]
+        # -inf (a masked token) is no JSON number: the OpenAI routes' floor
+        return [None if logprob is None else finite_logprob(logprob), token_id, text]
 
     def _top(self, entry: TokenLogprob) -> list[Any]:
         return [self._triple(value, token_id) for token_id, value in entry.top_logprobs]

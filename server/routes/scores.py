@@ -30,7 +30,7 @@ from pagedserve.server.prompts import (
 from pagedserve.server.protocol import _Options
 from pagedserve.server.request_fields import check_request_fields
 from pagedserve.server.routes.classify import activation_wanted, pooled_prompts
-from pagedserve.server.routes.embeddings import EmbeddingOptions, embed_prompts
+from pagedserve.server.routes.embeddings import EmbeddingOptions, embed_prompts, truncation
 
 router = APIRouter()
 
@@ -176,7 +176,7 @@ async def _cross_encoded(
             "model",
         )
     _check_fits(engine, len(pairs), "pairs fit in one request", name)
-    side, longest = _truncation(body, engine)
+    side, longest = truncation(engine, body.truncation_side)
     encoded = {}
     for position, pair in enumerate(pairs):
         if pair in encoded:
@@ -256,7 +256,7 @@ def _tokenized(
     """Each text of one side as its (truncated) prompt; a side longer than the server takes in
     one request, or a text with no room, is a 400 naming the side's field."""
     _check_fits(engine, len(texts), f"texts fit in {name}", name)
-    side, longest = _truncation(body, engine)
+    side, longest = truncation(engine, body.truncation_side)
     distinct = list(dict.fromkeys(texts))
     prompts = {
         text: truncated(prompt, body.truncate_prompt_tokens, engine, side, longest)
@@ -282,10 +282,3 @@ def _check_fits(engine: Any, count: int, what: str, name: str) -> None:
             f"got {count}.",
             name,
         )
-
-
-def _truncation(body: _ScoringRequest, engine: Any) -> tuple[str, int]:
-    """The side truncation cuts from, and the most tokens an input may keep: the context less
-    the one token the engine samples."""
-    side = body.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
-    return side, engine.max_model_len - 1

@@ -30,20 +30,21 @@ def default_tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_MODEL)[0])
 
 
-@pytest.fixture(scope="module")
-def sentiment(tmp_path_factory, default_tokenizer) -> Iterator[tuple]:
-    folder = tmp_path_factory.mktemp("sentiment")
-    model = save_classifier(folder, default_tokenizer, "qwen2", 3)
+def _classifier_served(tmp_path_factory, tokenizer, family: str, num_labels: int) -> Iterator:
+    folder = tmp_path_factory.mktemp(f"{family}-{num_labels}-labels")
+    model = save_classifier(folder, tokenizer, family, num_labels)
     with _served(folder) as client:
         yield model, client
+
+
+@pytest.fixture(scope="module")
+def sentiment(tmp_path_factory, default_tokenizer) -> Iterator[tuple]:
+    yield from _classifier_served(tmp_path_factory, default_tokenizer, "qwen2", 3)
 
 
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory, default_tokenizer) -> Iterator[tuple]:
-    folder = tmp_path_factory.mktemp("reranker")
-    model = save_classifier(folder, default_tokenizer, "llama", 1)
-    with _served(folder) as client:
-        yield model, client
+    yield from _classifier_served(tmp_path_factory, default_tokenizer, "llama", 1)
 
 
 def test_classify_gives_hugging_face_s_probabilities(sentiment, default_tokenizer):
