@@ -115,6 +115,29 @@ class ModelConfig(_Section):
         "serving; they read any folder the server can, so keep them behind --api-key",
     )
 
+    # vLLM's parallelism settings, so its command lines start here: one process runs one model
+    # on one device; more throughput comes from replicas (`pagedserve replicas N`).
+    tensor_parallel_size: int = Field(1, description="1 only: one process runs the model (vLLM's)")
+    pipeline_parallel_size: int = Field(1, description="1 only: one process runs every layer")
+    data_parallel_size: int = Field(
+        1, description="1 only: for data parallelism run `pagedserve replicas N`"
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="accepted for vLLM's command lines: pagedserve always runs eagerly "
+        "(it captures no graphs)",
+    )
+
+    @field_validator("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+    @classmethod
+    def _one_process(cls, value: int, info: Any) -> int:
+        if value != 1:
+            raise ValueError(
+                f"{info.field_name} must be 1: pagedserve runs a model in one process on one "
+                "device; for more throughput run replicas behind a router (pagedserve replicas N)"
+            )
+        return value
+
     @field_validator("lora_modules", mode="before")
     @classmethod
     def _split_lora_modules(cls, value: object) -> object:
@@ -239,6 +262,11 @@ class SchedulerConfig(_Section):
 class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
+    uds: str | None = Field(
+        None,
+        description="listen on this Unix domain socket instead of --host and --port (vLLM's; "
+        "for a proxy or sidecar on the same machine)",
+    )
     api_key: str | None = Field(
         None, description="require 'Authorization: Bearer <key>' (default: none, no key asked)"
     )
@@ -250,6 +278,28 @@ class ServerConfig(_Section):
         True,
         description="log one line per finished request (ids, token counts, finish reasons, "
         "latency; no text); vLLM's --enable-log-requests / --disable-log-requests also set it",
+    )
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] | None = (
+        Field(None, description="uvicorn's own log level (vLLM's; default: --log-level)")
+    )
+    uvicorn_access_log: bool = Field(
+        True,
+        description="log one line per HTTP request, uvicorn's access log; vLLM's "
+        "--disable-uvicorn-access-log also clears it",
+    )
+    fastapi_docs: bool = Field(
+        True,
+        description="serve the API's schema and docs pages (/openapi.json, /docs, /redoc); "
+        "vLLM's --disable-fastapi-docs also clears it",
+    )
+    log_stats: bool = Field(
+        True,
+        description="log a line of engine stats (throughput, running and waiting requests, KV "
+        "cache usage, prefix-cache hit rate) every --log-stats-interval seconds while it works, "
+        "as vLLM; vLLM's --disable-log-stats also clears it",
+    )
+    log_stats_interval: float = Field(
+        10.0, gt=0, description="seconds between stats lines (vLLM's VLLM_LOG_STATS_INTERVAL)"
     )
     allowed_origins: str | None = Field(
         None,
@@ -299,14 +349,14 @@ class ServerConfig(_Section):
     enable_engine_state: bool | None = Field(
         None,
         description="serve GET /v1/engine/state and the /dashboard page "
-        "(default: on when --host is a loopback address)",
+        "(default: on when --host is a loopback address or with --uds)",
     )
 
     @property
     def engine_state_enabled(self) -> bool:
         if self.enable_engine_state is not None:
             return self.enable_engine_state
-        return is_loopback_host(self.host)
+        return self.uds is not None or is_loopback_host(self.host)  # this machine's clients only
 
     @property
     def cors_origins(self) -> list[str]:

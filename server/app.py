@@ -42,6 +42,7 @@ from pagedserve.server.routes import (
     system,
     tokenize,
 )
+from pagedserve.server.stats_log import log_stats_forever
 
 
 @asynccontextmanager
@@ -62,12 +63,20 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.drain_grammar_mask_times,
     )
     app.state.started_at = int(time.time())
+    server_config = app.state.config.server
+    stats_lines = (
+        asyncio.create_task(log_stats_forever(engine.stats, server_config.log_stats_interval))
+        if server_config.log_stats
+        else None
+    )
     app.state.stop_requests = asyncio.Event()  # set by `begin_shutdown` once the grace is over
     if owns_engine:  # full GC passes would walk the whole model each time (engine/heap.py)
         freeze_startup_objects()
     try:
         yield
     finally:
+        if stats_lines is not None:
+            stats_lines.cancel()
         # Background responses first, stored as cancelled; then the engine aborts what is still
         # pending, so streams that are still open end with a final event.
         await app.state.background_responses.stop_all()
@@ -85,7 +94,10 @@ def begin_shutdown(app: FastAPI, grace_s: float) -> None:
 def create_app(config: EngineConfig, engine: EngineClient | None = None) -> FastAPI:
     """The app serving `engine`, or an `AsyncEngine` built from `config` at startup."""
     # strict_content_type=False: a JSON body without a Content-Type header is still parsed.
-    app = FastAPI(title="pagedserve", lifespan=_lifespan, strict_content_type=False)
+    docs = (
+        {} if config.server.fastapi_docs else dict(openapi_url=None, docs_url=None, redoc_url=None)
+    )
+    app = FastAPI(title="pagedserve", lifespan=_lifespan, strict_content_type=False, **docs)
     app.state.config, app.state.engine = config, engine
     # Each finished request's line (server/recorder.py), off with --no-log-requests
     request_log = logging.getLogger("pagedserve.server.recorder")

@@ -44,6 +44,11 @@ BENCHMARKS = (
 ENGINE_SECTIONS = ("model", "cache", "scheduler")
 CONFIG_FIELDS = frozenset(name for section in SECTIONS.values() for name in section.model_fields)
 DEFAULT_GRACEFUL_SHUTDOWN_S = 10.0
+SHORT_FLAGS = {  # vLLM's
+    "tensor_parallel_size": ("-tp",),
+    "pipeline_parallel_size": ("-pp",),
+    "data_parallel_size": ("-dp",),
+}
 
 
 def _flag_kwargs(annotation: Any) -> dict[str, Any]:
@@ -69,6 +74,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str]) 
                 description += f" (default: {field.default})"
             group.add_argument(
                 "--" + name.replace("_", "-"),
+                *SHORT_FLAGS.get(name, ()),
                 dest=name,
                 default=argparse.SUPPRESS,  # absent unless given: see the module docstring
                 help=description,
@@ -134,16 +140,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# vLLM's names for some of our boolean flags, which its deployment scripts pass: flag -> (our
+# config field, the value the flag sets).
+VLLM_FLAG_ALIASES = {
+    "--enable-log-requests": ("log_requests", True),
+    "--disable-log-requests": ("log_requests", False),
+    "--disable-log-stats": ("log_stats", False),
+    "--disable-uvicorn-access-log": ("uvicorn_access_log", False),
+    "--disable-fastapi-docs": ("fastapi_docs", False),
+}
+
+
 def _add_vllm_log_flags(parser: argparse.ArgumentParser) -> None:
-    """vLLM's names for --log-requests / --no-log-requests, which its deployment scripts pass."""
-    for flag, value in (("--enable-log-requests", True), ("--disable-log-requests", False)):
+    """VLLM_FLAG_ALIASES, as flags of `parser`."""
+    for flag, (field, value) in VLLM_FLAG_ALIASES.items():
+        ours = field.replace("_", "-")
         parser.add_argument(
             flag,
-            dest="log_requests",
+            dest=field,
             action="store_const",
             const=value,
             default=argparse.SUPPRESS,
-            help=f"vLLM's name for --{'' if value else 'no-'}log-requests",
+            help=f"vLLM's name for --{'' if value else 'no-'}{ours}",
         )
 
 
@@ -171,6 +189,8 @@ def _replicas(parser: argparse.ArgumentParser, args: argparse.Namespace, serve_a
     config = _checked_config(parser, parser.parse_args(["serve", *serve_args]))
     if args.num_replicas < 1:
         parser.error(f"--num-replicas must be >= 1, got {args.num_replicas}")
+    if config.server.uds is not None:
+        parser.error("--uds: replicas listen on ports of their own, behind the router's --port")
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pagedserve-replicas-")
     try:
         sys.exit(
@@ -226,21 +246,26 @@ class _StartupErrorInOneLine(logging.Filter):
         return True
 
 
+def uvicorn_config(app: Any, config: EngineConfig, grace_s: float) -> uvicorn.Config:
+    """uvicorn's settings for serving `app` as `config.server` says."""
+    server = config.server
+    return uvicorn.Config(
+        app,
+        host=server.host,
+        port=server.port,
+        uds=server.uds,
+        log_level=server.uvicorn_log_level or server.log_level,
+        access_log=server.uvicorn_access_log,
+        timeout_graceful_shutdown=grace_s + 5,
+        root_path=server.root_path,
+        ssl_keyfile=server.ssl_keyfile,
+        ssl_certfile=server.ssl_certfile,
+    )
+
+
 def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
     grace_s = args.timeout_graceful_shutdown
-    server = GracefulServer(
-        uvicorn.Config(
-            create_app(config),
-            host=config.server.host,
-            port=config.server.port,
-            log_level=config.server.log_level,
-            timeout_graceful_shutdown=grace_s + 5,
-            root_path=config.server.root_path,
-            ssl_keyfile=config.server.ssl_keyfile,
-            ssl_certfile=config.server.ssl_certfile,
-        ),
-        grace_s,
-    )
+    server = GracefulServer(uvicorn_config(create_app(config), config, grace_s), grace_s)
     if config.server.log_level != "debug":  # after uvicorn.Config, which configures its loggers
         logging.getLogger("uvicorn.error").addFilter(_StartupErrorInOneLine())
     # uvicorn re-raises a captured SIGTERM once its graceful shutdown is done; the default handler

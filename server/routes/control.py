@@ -35,7 +35,9 @@ def _busy() -> APIError:
     )
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+# Two decorators, not api_route(methods=[...]): that would give both methods one OpenAPI id.
+@router.get("/flush_cache")
+@router.post("/flush_cache")
 async def flush_cache(
     request: Request, timeout: float = Query(0.0, ge=0.0, le=MAX_FLUSH_WAIT_S)
 ) -> Response:

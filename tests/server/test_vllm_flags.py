@@ -1,0 +1,159 @@
+"""vLLM's serve flags that its deployment scripts pass, and what each does here: a Unix socket,
+uvicorn's log level and access log, the docs pages, and the parallelism sizes (1 only)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagedserve.server.app import create_app
+from pagedserve.server.cli import (
+    GracefulServer,
+    build_parser,
+    config_from_args,
+    main,
+    uvicorn_config,
+)
+from tests.server.conftest import make_config
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _config(*flags: str):
+    return config_from_args(build_parser().parse_args(["serve", *flags]), environ={})
+
+
+@pytest.mark.parametrize(
+    ("flags", "field", "value"),
+    [
+        ([], "uvicorn_access_log", True),
+        (["--disable-uvicorn-access-log"], "uvicorn_access_log", False),
+        ([], "fastapi_docs", True),
+        (["--disable-fastapi-docs"], "fastapi_docs", False),
+        (["--disable-log-stats"], "log_stats", False),
+        (["--uvicorn-log-level", "warning"], "uvicorn_log_level", "warning"),
+        (["--uds", "/tmp/x.sock"], "uds", "/tmp/x.sock"),
+    ],
+)
+def test_vllms_server_flags_set_the_server_config(flags, field, value):
+    assert getattr(_config(*flags).server, field) == value
+
+
+@pytest.mark.parametrize(
+    "flags", [["-tp", "1"], ["--tensor-parallel-size", "1"], ["-pp", "1", "-dp", "1"]]
+)
+def test_parallel_sizes_of_one_and_enforce_eager_are_accepted(flags):
+    model = _config(*flags, "--enforce-eager").model
+    assert (model.tensor_parallel_size, model.pipeline_parallel_size) == (1, 1)
+    assert model.data_parallel_size == 1 and model.enforce_eager
+
+
+@pytest.mark.parametrize(
+    ("flag", "field"),
+    [
+        ("-tp", "tensor_parallel_size"),
+        ("-pp", "pipeline_parallel_size"),
+        ("-dp", "data_parallel_size"),
+    ],
+)
+def test_a_parallel_size_above_one_is_a_usage_error_pointing_at_replicas(capsys, flag, field):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", flag, "2"])
+    assert exit_info.value.code == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{field} must be 1" in last_line and "pagedserve replicas N" in last_line
+
+
+def test_replicas_refuse_a_unix_socket(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["replicas", "-n", "2", "--uds", "/tmp/x.sock"])
+    assert exit_info.value.code == 2
+    assert "--uds: replicas listen on ports of their own" in capsys.readouterr().err
+
+
+def test_uvicorn_gets_the_socket_log_level_and_access_log():
+    config = make_config(uds="/tmp/x.sock", uvicorn_log_level="trace", uvicorn_access_log=False)
+    settings = uvicorn_config(object(), config, grace_s=1.0)
+    assert (settings.uds, settings.log_level, settings.access_log) == (
+        "/tmp/x.sock",
+        "trace",
+        False,
+    )
+    default = uvicorn_config(object(), make_config(log_level="warning"), grace_s=1.0)
+    assert (default.uds, default.log_level, default.access_log) == (None, "warning", True)
+
+
+@pytest.mark.parametrize("docs", [True, False])
+def test_the_docs_pages_are_served_unless_turned_off(client_with, docs):
+    client = client_with(fastapi_docs=docs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FastAPI warns of duplicate operation ids as it builds
+        for path in ("/openapi.json", "/docs", "/redoc"):
+            assert client.get(path).status_code == (200 if docs else 404)
+    assert client.get("/v1/models").status_code == 200
+    if docs:
+        operations = [
+            operation["operationId"]
+            for methods in client.get("/openapi.json").json()["paths"].values()
+            for operation in methods.values()
+        ]
+        assert len(operations) == len(set(operations))
+
+
+def test_the_engine_state_is_served_by_default_on_a_unix_socket():
+    assert make_config(host="0.0.0.0", uds="/tmp/x.sock").server.engine_state_enabled
+    assert not make_config(host="0.0.0.0").server.engine_state_enabled
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.parametrize("access_log", [True, False])
+def test_the_openai_client_talks_over_the_unix_socket(engine, tmp_path, access_log):
+    socket_path = tmp_path / "pagedserve.sock"
+    config = make_config(uds=str(socket_path), uvicorn_access_log=access_log)
+    settings = uvicorn_config(create_app(config, engine), config, 1.0)  # configures its loggers
+    # uvicorn writes access lines only where its access logger has a handler; it has none when
+    # turned off. When on, one more collects them (the logger does not propagate to pytest's).
+    assert logging.getLogger("uvicorn.access").hasHandlers() is access_log
+    access = _Lines()
+    if access_log:
+        logging.getLogger("uvicorn.access").addHandler(access)
+    server = GracefulServer(settings, 0.2)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        _wait_started(server, socket_path)
+        transport = httpx.HTTPTransport(uds=str(socket_path))
+        client = openai.OpenAI(
+            base_url="http://localhost/v1",
+            api_key="none",
+            http_client=httpx.Client(transport=transport),
+        )
+        reply = client.chat.completions.create(model=engine.model_name, messages=USER)
+        assert reply.choices[0].message.content
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        logging.getLogger("uvicorn.access").removeHandler(access)
+    assert any("POST /v1/chat/completions" in line for line in access.lines) is access_log
+
+
+def _wait_started(server: GracefulServer, socket_path: Path) -> None:
+    deadline = time.monotonic() + 10
+    while not (server.started and socket_path.exists()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started and socket_path.exists()
