@@ -101,6 +101,12 @@ class ModelConfig(_Section):
         "does; vllm, the API's own defaults",
     )
     seed: int = Field(0, ge=0, description="global seed for unseeded sampling")
+    max_logprobs: int = Field(
+        20,
+        ge=-1,
+        description="most alternatives a request may ask for per token (logprobs, top_logprobs, "
+        "prompt_logprobs, top_logprobs_num; vLLM's; -1: the whole vocabulary)",
+    )
     enable_lora: bool = Field(False, description="serve LoRA adapters (vLLM's; see --lora-modules)")
     lora_modules: list[str] = Field(
         default_factory=list,

@@ -9,7 +9,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 256
@@ -195,11 +194,9 @@ class SamplingParams:
         )
         _check(
             self.prompt_logprobs is None
-            or (
-                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS
-            ),
+            or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
             "prompt_logprobs",
-            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+            f"prompt_logprobs must be at least 0, got {self.prompt_logprobs}",
         )
         # 0: the request ends right after its prefill, with no output token (its prompt
         # logprobs are the answer, or it only fills the prefix cache: SGLang's warm-up).
@@ -255,10 +252,9 @@ class SamplingParams:
             "allowed_token_ids must be a non-empty list of token ids >= 0",
         )
         _check(
-            self.logprobs is None
-            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
             "logprobs",
-            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            f"logprobs must be at least 0, got {self.logprobs}",
         )
         _check(
             self.lora is None or (isinstance(self.lora, str) and len(self.lora) > 0),

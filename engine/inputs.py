@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import xgrammar
 
-from pagedserve.configs import SamplingParams
+from pagedserve.configs import EngineConfig, SamplingParams
 from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.scheduler import AdmissionError
+from pagedserve.scheduler import AdmissionError, Scheduler
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,27 @@ class RequestValidator:
     eos_token_ids: tuple[int, ...]  # from the generation config; the first one is the EOS
     allows_priority: bool  # the priority scheduling policy is on
     check_admissible: Callable[[int, int], None]  # the scheduler's; raises AdmissionError
+    max_logprobs: int = 20  # alternatives a request may ask for per token (-1: the vocabulary)
+
+    @classmethod
+    def for_engine(
+        cls,
+        config: EngineConfig,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: list[int],
+        scheduler: Scheduler,
+    ) -> RequestValidator:
+        """The validator of an engine with these settings, vocabulary, context and scheduler."""
+        allows_priority = config.scheduler.scheduling_policy == "priority"
+        return cls(
+            vocab_size,
+            max_model_len,
+            tuple(eos_token_ids),
+            allows_priority,
+            scheduler.check_admissible,
+            config.model.max_logprobs,
+        )
 
     def validate(
         self,
@@ -52,6 +73,7 @@ class RequestValidator:
         """Raises InvalidRequestError if this request could never be served (nothing queued)."""
         self._check_token_ids(prompt_token_ids, params)
         self._check_length(len(prompt_token_ids), params.max_tokens)
+        self._check_logprobs(params)
         if priority != 0 and not self.allows_priority:
             raise InvalidRequestError(
                 "priority needs the server's --scheduling-policy priority", "priority"
@@ -89,6 +111,17 @@ class RequestValidator:
             if max(think.open_token_id, think.close_token_id) >= vocab_size:
                 raise InvalidRequestError(
                     f"a think block's tags must be token ids < {vocab_size}", constraint.param
+                )
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        cap = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            wanted = getattr(params, name)
+            if wanted is not None and wanted > cap:
+                raise InvalidRequestError(
+                    f"{name}: {wanted} alternatives per token requested, more than the server "
+                    f"returns ({cap}, --max-logprobs)",
+                    name,
                 )
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:

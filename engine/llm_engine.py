@@ -82,12 +82,8 @@ class LLMEngine:
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
-        self.validator = RequestValidator(
-            self.vocab_size,
-            self.max_model_len,
-            tuple(self.eos_token_ids),
-            config.scheduler.scheduling_policy == "priority",
-            self.scheduler.check_admissible,
+        self.validator = RequestValidator.for_engine(
+            config, self.vocab_size, self.max_model_len, self.eos_token_ids, self.scheduler
         )
         self.num_steps = 0
         self.last_plan: SchedulerOutput | None = None  # the last non-empty step's, for its state

@@ -7,9 +7,26 @@ from __future__ import annotations
 import codecs
 from typing import Any
 
+from fastapi import Request
+
 from pagedserve.engine.outputs import RequestDelta, TokenLogprob
+from pagedserve.server.errors import invalid_request
 from pagedserve.server.protocol import CompletionLogprobs, PromptLogprob, PromptLogprobs
 from pagedserve.server.token_bytes import token_bytes, token_name
+
+
+def check_logprobs_cap(request: Request, **counts: int | None) -> None:
+    """A 400 naming the request's own field (`top_logprobs`, `top_logprobs_num`...) where it asks
+    for more alternatives per token than `--max-logprobs` allows (the engine holds every request
+    to the same cap, in its own field names)."""
+    cap = request.app.state.config.model.max_logprobs
+    for name, count in counts.items():
+        if cap != -1 and count is not None and count > cap:
+            raise invalid_request(
+                f"{name}: {count} alternatives per token requested, more than the server returns "
+                f"({cap}, --max-logprobs)",
+                name,
+            )
 
 
 def prompt_logprobs_body(

@@ -210,9 +210,9 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's cap is 5, vLLM's 20
+    logprobs: int | None = Field(None, ge=0)  # OpenAI's cap is 5, vLLM's --max-logprobs 20
     echo: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's extension
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (...) around a text prompt
@@ -260,11 +260,11 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's extension
     # vLLM's chat template controls: open the assistant's turn, or continue the last message
     # (an assistant prefill); variables for the template (e.g. Qwen3's enable_thinking); and
     # special tokens added around the rendered text (the template has its own).

@@ -92,7 +92,7 @@ class ResponsesRequest(_Options):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)
     include: list[str] | None = None
     tools: list[ResponsesTool] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -31,6 +31,7 @@ from pagedserve.server.generate_protocol import (
     sampling_param,
 )
 from pagedserve.server.generation import EngineInput, Item, start_generation
+from pagedserve.server.logprobs import check_logprobs_cap
 from pagedserve.server.prompts import (
     Prompt,
     check_model,
@@ -242,6 +243,8 @@ def _plan(
     for index, prompt in enumerate(prompts):
         sampling = samplings[index]
         choice_logprobs = _logprobs(body, prompt, index, count, tokenizer)
+        if choice_logprobs is not None:
+            check_logprobs_cap(request, top_logprobs_num=choice_logprobs.num_top)
         inputs.append(
             _engine_input(body, request, sampling, prompt, index, loras[index], choice_logprobs)
         )

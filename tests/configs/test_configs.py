@@ -201,8 +201,8 @@ def test_cache_config_rejects_unparseable_memory_budget():
         ("n", 0),
         ("n", 17),
         ("max_tokens", -5),
-        ("logprobs", 21),
-        ("logprobs", -1),
+        ("logprobs", -1),  # the upper cap is the engine's (--max-logprobs)
+        ("prompt_logprobs", -1),
         ("presence_penalty", 2.5),
         ("frequency_penalty", -2.5),
         ("frequency_penalty", math.inf),

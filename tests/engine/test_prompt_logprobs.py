@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedserve.configs import SamplingParams, SamplingParamsError
+from pagedserve.engine.errors import InvalidRequestError
 from tests.engine.conftest import (
     EngineRun,
     make_engine,
@@ -188,8 +189,9 @@ def test_max_tokens_zero_alone_only_prefills_and_fills_the_prefix_cache(tiny_loa
     with pytest.raises(SamplingParamsError) as error:
         SamplingParams(max_tokens=-1)
     assert error.value.param == "max_tokens"
-    with pytest.raises(SamplingParamsError):
-        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(InvalidRequestError, match=r"\(20, --max-logprobs\)") as error:
+        engine.add_request("many", token_ids, SamplingParams(prompt_logprobs=21))
+    assert error.value.param == "prompt_logprobs" and not engine.has_unfinished_requests()
 
 
 @pytest.mark.slow

@@ -84,3 +84,22 @@ def test_prompt_tokens_are_counted_per_choice_once_prefilled_and_not_for_aborted
     assert engine.stats().num_prompt_tokens == 0
     run_to_completion(engine)
     assert engine.stats().num_prompt_tokens == 2 * len(PROMPT)
+
+
+@pytest.mark.parametrize(("max_logprobs", "allowed"), [(20, 20), (30, 30), (-1, None)])
+def test_max_logprobs_caps_the_alternatives_a_request_may_ask_for(
+    tiny_loaded, max_logprobs, allowed
+):
+    """vLLM's --max-logprobs: at most that many alternatives per token, sampled or prompt (-1:
+    the vocabulary); a request over it is refused whole, nothing queued."""
+    engine = make_engine(tiny_loaded, max_logprobs=max_logprobs)
+    allowed = allowed if allowed is not None else engine.vocab_size
+    engine.add_request("at-cap", [5, 6, 7], greedy_params(max_tokens=2, logprobs=allowed))
+    run = run_to_completion(engine)
+    assert run.finish_reasons["at-cap"] == "length"
+    for field in ("logprobs", "prompt_logprobs"):
+        params = greedy_params(max_tokens=2, **{field: allowed + 1})
+        with pytest.raises(InvalidRequestError, match=f"\\({allowed}, --max-logprobs\\)") as error:
+            engine.add_request(f"over-{field}", [5, 6, 7], params)
+        assert error.value.param == field
+    assert not engine.has_unfinished_requests()

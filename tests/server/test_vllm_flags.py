@@ -157,3 +157,25 @@ def _wait_started(server: GracefulServer, socket_path: Path) -> None:
     while not (server.started and socket_path.exists()) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert server.started and socket_path.exists()
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "body"),
+    [
+        ("/v1/completions", "logprobs", {"prompt": "hi"}),
+        ("/v1/completions", "prompt_logprobs", {"prompt": "hi"}),
+        ("/v1/chat/completions", "top_logprobs", {"messages": USER, "logprobs": True}),
+        ("/v1/chat/completions", "prompt_logprobs", {"messages": USER}),
+        ("/generate", "top_logprobs_num", {"text": "hi", "return_logprob": True}),
+    ],
+)
+def test_max_logprobs_sets_the_cap_each_route_names_its_own_field_against(
+    client_with, path, field, body
+):
+    client = client_with(max_logprobs=30)
+    assert client.post(path, json={**body, field: 30}).status_code == 200
+    refused = client.post(path, json={**body, field: 31})
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == field and "(30, --max-logprobs)" in error["message"]
+    assert client_with(max_logprobs=-1).post(path, json={**body, field: 500}).status_code == 200
