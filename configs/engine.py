@@ -13,9 +13,23 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagedserve.configs.json_object import parse_json_object
+from pagedserve.configs.sampling import SamplingParams, SamplingParamsError
 from pagedserve.configs.speculative import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# The generation_config fields that are sampling defaults (SamplingParams' names).
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def as_sampling_value(name: str, value: float | int) -> float | int:
+    """A generation config's value as SamplingParams takes it: top_k 20.0 (JSON written by
+    hand) is 20."""
+    if name == "top_k" and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 _UNITS = {
     "": 1,
     "B": 1,
@@ -101,6 +115,17 @@ class ModelConfig(_Section):
         "does; vllm, the API's own defaults",
     )
     seed: int = Field(0, ge=0, description="global seed for unseeded sampling")
+    override_generation_config: dict[str, float | int] | None = Field(
+        None,
+        description='sampling defaults as JSON, e.g. {"temperature": 0.5} (vLLM\'s): over the '
+        "model's generation config, or alone with --generation-config vllm; keys: "
+        + ", ".join(GENERATION_CONFIG_FIELDS),
+    )
+    hf_overrides: dict[str, Any] | None = Field(
+        None,
+        description="values set on the model's Hugging Face config before it loads, as JSON "
+        '(vLLM\'s), e.g. {"max_position_embeddings": 16384}',
+    )
     max_logprobs: int = Field(
         20,
         ge=-1,
@@ -142,6 +167,29 @@ class ModelConfig(_Section):
                 f"{info.field_name} must be 1: pagedserve runs a model in one process on one "
                 "device; for more throughput run replicas behind a router (pagedserve replicas N)"
             )
+        return value
+
+    @field_validator("override_generation_config", "hf_overrides", mode="before")
+    @classmethod
+    def _json_objects(cls, value: object, info: Any) -> object:
+        return parse_json_object(value, info.field_name)
+
+    @field_validator("override_generation_config")
+    @classmethod
+    def _sampling_defaults(cls, value: dict[str, float | int] | None) -> dict | None:
+        unknown = sorted(set(value or {}) - set(GENERATION_CONFIG_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"override_generation_config: {', '.join(unknown)} not among "
+                f"{', '.join(GENERATION_CONFIG_FIELDS)}"
+            )
+        if value is None:
+            return None
+        value = {name: as_sampling_value(name, setting) for name, setting in value.items()}
+        try:  # out of range, every request leaving the field out would be refused
+            SamplingParams(**value)
+        except SamplingParamsError as error:
+            raise ValueError(f"override_generation_config: {error}") from None
         return value
 
     @field_validator("lora_modules", mode="before")
@@ -317,6 +365,16 @@ class ServerConfig(_Section):
     )
     ssl_keyfile: str | None = Field(None, description="serve HTTPS with this private key file")
     ssl_certfile: str | None = Field(None, description="serve HTTPS with this certificate file")
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="chat template variables for every request, as JSON (vLLM's), e.g. "
+        '{"enable_thinking": false}; a request\'s own chat_template_kwargs win',
+    )
+    enable_force_include_usage: bool = Field(
+        False,
+        description="end every stream with a usage chunk, as if it asked with "
+        "stream_options.include_usage (vLLM's)",
+    )
     enable_auto_tool_choice: bool = Field(
         False, description="let the model decide to call tools (tool_choice auto; as vLLM)"
     )
@@ -374,6 +432,11 @@ class ServerConfig(_Section):
             raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile")
         _origins(self.allowed_origins or "")  # a malformed list fails here, at start-up
         return self
+
+    @field_validator("default_chat_template_kwargs", mode="before")
+    @classmethod
+    def _json_object(cls, value: object) -> object:
+        return parse_json_object(value, "default_chat_template_kwargs")
 
     @field_validator("api_key")
     @classmethod

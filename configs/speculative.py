@@ -7,10 +7,11 @@ a mapping in the YAML file). Absent (the default) means no speculation at all.
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pagedserve.configs.json_object import parse_json_object
 
 
 class SpeculativeConfig(BaseModel):
@@ -45,15 +46,4 @@ class SpeculativeConfig(BaseModel):
 
 def parse_speculative_config(value: object) -> object:
     """A JSON string (CLI, env) becomes a mapping; '' / 'null' / 'none' mean off."""
-    if not isinstance(value, str):
-        return value
-    text = value.strip()
-    if text.lower() in ("", "null", "none"):
-        return None
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"speculative_config is not valid JSON: {error.msg}") from None
-    if not isinstance(parsed, dict):
-        raise ValueError("speculative_config must be a JSON object")
-    return parsed
+    return parse_json_object(value, "speculative_config")

@@ -35,6 +35,7 @@ from pagedserve.engine.direct_layer import can_use_direct_layers, use_direct_lay
 from pagedserve.engine.fused_attention import can_fuse_attention, fuse_attention
 from pagedserve.engine.fused_mlp import can_fuse_mlps, fuse_mlps
 from pagedserve.engine.fused_norm import can_fuse_norms, fuse_rms_norms
+from pagedserve.engine.hf_overrides import from_pretrained_kwargs
 from pagedserve.engine.kept_rows import keep_rows_in_last_layer
 from pagedserve.engine.packed_linear import can_pack, can_pack_float32, pack_linears
 from pagedserve.engine.panel_linear import swap_in_panel_linears
@@ -202,8 +203,7 @@ def load_model(
         model_path,
         dtype=dtype,
         attn_implementation=attn_implementation,
-        trust_remote_code=model_config.trust_remote_code,
-        local_files_only=True,
+        **from_pretrained_kwargs(model_path, model_config),  # offline; with --hf-overrides
     )
     model.to(device).eval()
     swap_cpu_modules(model, model_config.cpu_float32_linear)

@@ -9,28 +9,29 @@ import logging
 from typing import Any
 
 from pagedserve.configs import SamplingParams, SamplingParamsError
-from pagedserve.configs.engine import ModelConfig
+from pagedserve.configs.engine import GENERATION_CONFIG_FIELDS, ModelConfig, as_sampling_value
 
 logger = logging.getLogger(__name__)
-
-# The generation_config fields that are sampling parameters (SamplingParams' names).
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def model_sampling_defaults(model: Any, config: ModelConfig) -> dict[str, float | int]:
     """The model's sampling defaults (only those its generation config sets, as transformers'
-    `to_diff_dict` tells them from its own defaults); none under `--generation-config vllm`."""
+    `to_diff_dict` tells them from its own defaults; none under `--generation-config vllm`), with
+    `--override-generation-config` over them (checked with the config)."""
+    return {**_from_the_model(model, config), **(config.override_generation_config or {})}
+
+
+def _from_the_model(model: Any, config: ModelConfig) -> dict[str, float | int]:
     generation_config = getattr(model, "generation_config", None)
     if config.generation_config == "vllm" or generation_config is None:
         return {}
     written = generation_config.to_diff_dict()
     defaults = {}
-    for name in SAMPLING_FIELDS:
+    for name in GENERATION_CONFIG_FIELDS:
         value = written.get(name)
-        if name == "top_k" and isinstance(value, float) and value.is_integer():
-            value = int(value)  # JSON written by hand: 20.0
         if value is None:
             continue
+        value = as_sampling_value(name, value)
         try:  # one out of our range would fail every request that leaves the field out
             SamplingParams(**{name: value})
         except SamplingParamsError as error:

@@ -23,6 +23,7 @@ from pagedserve.server.middleware import (
     BodyLimitMiddleware,
     RequestContextMiddleware,
 )
+from pagedserve.server.prompts import check_default_template_kwargs
 from pagedserve.server.response_store import ResponseStore
 from pagedserve.server.routes import (
     chat,
@@ -55,6 +56,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.engine = AsyncEngine(app.state.config)
     engine: EngineClient = app.state.engine
     await engine.start()
+    check_default_template_kwargs(
+        engine.tokenizer, app.state.config.server.default_chat_template_kwargs
+    )
     app.state.metrics = ServerMetrics(
         engine.model_name,
         engine.stats,

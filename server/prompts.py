@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi import Request
 from jinja2 import TemplateError
 
 from pagedserve.configs.sampling import MAX_STOP_SEQUENCE_CHARS, MAX_STOP_SEQUENCES
@@ -108,6 +109,24 @@ class TemplateOptions:
     continue_final_message: bool = False  # leave the last message open, to be continued
     kwargs: dict[str, Any] = field(default_factory=dict)  # the template's own variables
     add_special_tokens: bool = False  # the template writes its special tokens itself
+
+
+def template_kwargs(request: Request, requested: dict[str, Any] | None) -> dict[str, Any]:
+    """A chat request's template variables: the server's --default-chat-template-kwargs with the
+    request's own chat_template_kwargs over them (vLLM's precedence)."""
+    defaults = request.app.state.config.server.default_chat_template_kwargs or {}
+    return {**defaults, **(requested or {})}
+
+
+def check_default_template_kwargs(tokenizer: Any, defaults: dict[str, Any] | None) -> None:
+    """At start-up: --default-chat-template-kwargs may not name what every request's would be
+    refused for (otherwise each chat request would fail blaming its own chat_template_kwargs)."""
+    reserved = sorted(_template_call_names(tokenizer).intersection(defaults or {}))
+    if reserved:
+        raise ValueError(
+            f"default_chat_template_kwargs may not set {', '.join(reserved)}: they are how the "
+            "template is applied, not variables of it"
+        )
 
 
 def chat_prompt(

@@ -14,10 +14,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
+from fastapi import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from pagedserve.server.errors import ClientDisconnectedError, ServerShuttingDownError, to_api_error
+from pagedserve.server.protocol import SamplingFields, StreamOptions
 
 T = TypeVar("T")
 _DONE = object()
@@ -161,3 +163,11 @@ class EventStreamResponse(Response):
                     {"type": "http.response.body", "body": event.encode(), "more_body": True}
                 )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def force_usage(body: SamplingFields, request: Request) -> None:
+    """--enable-force-include-usage (vLLM's): a stream ends with a usage chunk even where the
+    request did not ask for one; a request that asked keeps its own stream options."""
+    forced = request.app.state.config.server.enable_force_include_usage
+    if forced and body.stream and not body.include_usage:
+        body.stream_options = StreamOptions(include_usage=True)

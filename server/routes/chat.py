@@ -25,6 +25,7 @@ from pagedserve.server.prompts import (
     check_model,
     parse_logit_bias,
     resolve_max_tokens,
+    template_kwargs,
     truncated,
 )
 from pagedserve.server.protocol import (
@@ -47,7 +48,7 @@ from pagedserve.server.reasoning import (
 )
 from pagedserve.server.recorder import RequestRecorder, usage_so_far
 from pagedserve.server.request_fields import check_request_fields
-from pagedserve.server.streams import EventStreamResponse, sse_events
+from pagedserve.server.streams import EventStreamResponse, force_usage, sse_events
 from pagedserve.server.structured import to_structured_outputs
 from pagedserve.server.token_bytes import token_bytes, token_name
 from pagedserve.server.tools import ToolPlan, assemble_tool_calls, plan_tools
@@ -159,6 +160,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> ChatRun:
     engine = request.app.state.engine
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
+    force_usage(body, request)
     check_logprobs_cap(
         request, top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs
     )
@@ -166,7 +168,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> ChatRun:
     template = TemplateOptions(
         body.add_generation_prompt,
         body.continue_final_message,
-        body.chat_template_kwargs or {},
+        template_kwargs(request, body.chat_template_kwargs),
         body.add_special_tokens,
     )
     prompt = truncated(

@@ -29,7 +29,7 @@ from pagedserve.server.protocol import (
 )
 from pagedserve.server.recorder import RequestRecorder, usage_so_far
 from pagedserve.server.request_fields import check_request_fields
-from pagedserve.server.streams import EventStreamResponse, sse_events
+from pagedserve.server.streams import EventStreamResponse, force_usage, sse_events
 from pagedserve.server.structured import to_structured_outputs
 
 router = APIRouter()
@@ -70,6 +70,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
     _check_supported(body)
+    force_usage(body, request)
     check_logprobs_cap(request, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
     prompts = [
         truncated(prompt, body.truncate_prompt_tokens, engine)

@@ -30,6 +30,7 @@ from pagedserve.server.prompts import (
     chat_prompt,
     check_model,
     completion_prompts,
+    template_kwargs,
     truncated,
 )
 from pagedserve.server.protocol import ChatMessage, _Options
@@ -77,7 +78,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
     prompts = truncated_inputs(
-        _prompts(body, engine), body.truncate_prompt_tokens, body.truncation_side, engine
+        _prompts(body, request), body.truncate_prompt_tokens, body.truncation_side, engine
     )
     options = EmbeddingOptions(lora, body.priority, body.cache_salt)
     vectors = await embed_prompts(request, prompts, options)
@@ -156,8 +157,9 @@ async def embed_prompts(
     return [vectors[index] for index in range(len(prompts))]
 
 
-def _prompts(body: EmbeddingRequest, engine: Any) -> list[Prompt]:
+def _prompts(body: EmbeddingRequest, request: Request) -> list[Prompt]:
     """The inputs as text or token ids, or each conversation as its chat template renders it."""
+    engine = request.app.state.engine
     if (body.input is None) == (body.messages is None):
         raise invalid_request("Give exactly one of 'input' and 'messages'.", "input")
     if body.input is not None:
@@ -171,7 +173,7 @@ def _prompts(body: EmbeddingRequest, engine: Any) -> list[Prompt]:
     options = TemplateOptions(
         body.add_generation_prompt,
         body.continue_final_message,
-        body.chat_template_kwargs or {},
+        template_kwargs(request, body.chat_template_kwargs),
         bool(body.add_special_tokens),
     )
     messages = body.messages or []

@@ -11,6 +11,7 @@ from pagedserve.server.prompts import (
     check_model,
     check_token_ids,
     encode_text,
+    template_kwargs,
 )
 from pagedserve.server.protocol import (
     DetokenizeRequest,
@@ -34,7 +35,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         options = TemplateOptions(
             body.add_generation_prompt,
             body.continue_final_message,
-            body.chat_template_kwargs or {},
+            template_kwargs(request, body.chat_template_kwargs),
             bool(body.add_special_tokens),
         )
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]

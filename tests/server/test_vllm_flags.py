@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
 from pagedserve.server.app import create_app
 from pagedserve.server.cli import (
@@ -21,7 +22,7 @@ from pagedserve.server.cli import (
     main,
     uvicorn_config,
 )
-from tests.server.conftest import make_config
+from tests.server.conftest import make_config, sse_json
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -179,3 +180,40 @@ def test_max_logprobs_sets_the_cap_each_route_names_its_own_field_against(
     error = refused.json()["error"]
     assert error["param"] == field and "(30, --max-logprobs)" in error["message"]
     assert client_with(max_logprobs=-1).post(path, json={**body, field: 500}).status_code == 200
+
+
+def test_default_chat_template_kwargs_reach_the_template_under_the_request_s_own(client_with):
+    client = client_with(default_chat_template_kwargs='{"enable_thinking": false, "style": "a"}')
+    rendered = client.post("/tokenize", json={"messages": USER}).json()["tokens"]
+    assert bytes(rendered).decode().startswith("[enable_thinking=False][style=a]<user>hi")
+    body = {"messages": USER, "chat_template_kwargs": {"style": "b"}}
+    rendered = client.post("/tokenize", json=body).json()["tokens"]
+    assert bytes(rendered).decode().startswith("[enable_thinking=False][style=b]<user>hi")
+    reply = client.post("/v1/chat/completions", json={**body, "return_prompt_text": True})
+    assert reply.json()["prompt_text"].startswith("[enable_thinking=False][style=b]")
+
+
+def test_default_chat_template_kwargs_naming_how_the_template_is_applied_stop_the_start(engine):
+    config = make_config(default_chat_template_kwargs='{"messages": [], "tokenize": true}')
+    with (
+        pytest.raises(ValueError, match="may not set messages, tokenize"),
+        TestClient(create_app(config, engine)),
+    ):
+        pass
+
+
+@pytest.mark.parametrize("forced", [False, True])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "hi"})],
+)
+def test_force_include_usage_ends_every_stream_with_usage(client_with, path, body, forced):
+    client = client_with(enable_force_include_usage=forced)
+    chunks = sse_json(client.post(path, json={**body, "stream": True, "max_tokens": 3}).text)
+    assert (chunks[-1].get("usage") is not None) is forced
+    if forced:
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    # A request's own options stand; a non-streamed reply has its usage either way.
+    asked = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    assert sse_json(client.post(path, json=asked).text)[-1]["usage"] is not None
+    assert client.post(path, json=body).json()["usage"]["total_tokens"] > 0
