@@ -13,7 +13,7 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 256
 MAX_N = 16
-CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_CONSTRAINT_CHARS = 1_000_000  # a longer schema or grammar is refused, not compiled
 
 
@@ -58,12 +58,13 @@ class ThinkBlock:
 @dataclass(frozen=True, slots=True)
 class StructuredOutputs:
     """A decoding constraint, as vLLM's `structured_outputs` names its kinds. `spec` is the JSON
-    schema text (json), the regex, the EBNF grammar, the tuple of choices, or "" (json_object:
-    any JSON object). The engine compiles it; equal constraints compile once, so `param` (the
-    request field that carried it, named in errors) and `think` (where the reply may reason
-    first, outside the grammar) are not part of the identity."""
+    schema text (json), the regex, the EBNF grammar, the tuple of choices, the structural tag's
+    JSON (engine/structured_outputs/structural_tag.py), or "" (json_object: any JSON object).
+    The engine compiles it; equal constraints compile once, so `param` (the request field that
+    carried it, named in errors) and `think` (where the reply may reason first, outside the
+    grammar) are not part of the identity."""
 
-    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    kind: Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
     spec: str | tuple[str, ...] = ""
     param: str = field(default="structured_outputs", compare=False)
     think: ThinkBlock | None = field(default=None, compare=False)

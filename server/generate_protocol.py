@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pagedserve.configs import SamplingParams, StructuredOutputs
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.protocol import _Request
+from pagedserve.server.structured import structural_tag
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 
@@ -40,7 +41,7 @@ UNSUPPORTED_REQUEST_FIELDS = (
     "bootstrap_port",
     "bootstrap_room",
 )
-UNSUPPORTED_SAMPLING_FIELDS = ("stop_regex", "structural_tag", "custom_params")
+UNSUPPORTED_SAMPLING_FIELDS = ("stop_regex", "custom_params")
 
 
 class GenerateSamplingParams(BaseModel):
@@ -86,15 +87,18 @@ class GenerateSamplingParams(BaseModel):
     def constraint(self, index: int) -> StructuredOutputs | None:
         """The one output constraint (SGLang: an empty string is no constraint)."""
         kinds = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
-        found = [(name, getattr(self, name)) for name in kinds if getattr(self, name)]
+        names = (*kinds, "structural_tag")
+        found = [(name, getattr(self, name)) for name in names if getattr(self, name)]
         if len(found) > 1:
             raise invalid_request(
-                "Only one of json_schema, regex or ebnf can be set.",
+                "Only one of json_schema, regex, ebnf or structural_tag can be set.",
                 sampling_param(index, found[1][0]),
             )
         if not found:
             return None
         name, spec = found[0]
+        if name == "structural_tag":
+            return structural_tag(sampling_param(index, name), spec)
         return StructuredOutputs(kinds[name], spec, sampling_param(index, name))  # type: ignore[arg-type]
 
     def check_supported(self, index: int) -> None:

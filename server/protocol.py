@@ -79,8 +79,13 @@ class JsonSchemaFormat(_Options):
 
 
 class ResponseFormat(_Options):
-    type: str  # text | json_object | json_schema; others are a 400 naming response_format
+    # text | json_object | json_schema | structural_tag; others are a 400 naming response_format
+    type: str
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag (vLLM's): xgrammar's format tree, or the original structures and triggers
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class StructuredOutputsField(_Options):
@@ -91,6 +96,7 @@ class StructuredOutputsField(_Options):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None  # vLLM's: a structural tag's JSON
 
 
 class SamplingFields(_Request):

@@ -44,7 +44,6 @@ STRUCTURED_OUTPUTS_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "disable_any_whitespace": (True, False),
     "disable_additional_properties": (True, False),
     "whitespace_pattern": (),
-    "structural_tag": (),
 }
 _HINTS = {
     "functions": " Send them as `tools` (type function).",

@@ -15,7 +15,7 @@ from pagedserve.server.errors import invalid_request
 from pagedserve.server.json_input import load_json
 from pagedserve.server.protocol import ResponseFormat, SamplingFields
 
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 
 
 def to_structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
@@ -38,6 +38,8 @@ def _from_response_format(response_format: ResponseFormat | None) -> StructuredO
         return None
     if response_format.type == "json_object":
         return StructuredOutputs("json_object", "", "response_format")
+    if response_format.type == "structural_tag":
+        return _structural_tag_format(response_format)
     if response_format.type != "json_schema":
         raise invalid_request(
             f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}; "
@@ -68,14 +70,15 @@ def _from_vllm_fields(body: SamplingFields) -> list[StructuredOutputs | None]:
             _text("regex", "structured_outputs.regex", nested.regex),
             _choice("structured_outputs.choice", nested.choice),
             _text("grammar", "structured_outputs.grammar", nested.grammar),
+            structural_tag("structured_outputs.structural_tag", nested.structural_tag),
         ]
         if nested.json_object:
             found.append(StructuredOutputs("json_object", "", "structured_outputs.json_object"))
         if all(constraint is None for constraint in found[4:]):
             # An object that constrains nothing is a mistake, not a request for free text.
             raise invalid_request(
-                "structured_outputs needs one constraint: json, regex, choice, grammar or "
-                "json_object",
+                "structured_outputs needs one constraint: json, regex, choice, grammar, "
+                "json_object or structural_tag",
                 "structured_outputs",
             )
     return found
@@ -101,3 +104,65 @@ def _text(kind: str, param: str, value: str | None) -> StructuredOutputs | None:
 
 def _choice(param: str, value: list[str] | None) -> StructuredOutputs | None:
     return None if value is None else StructuredOutputs("choice", tuple(value), param)
+
+
+def _structural_tag_format(response_format: ResponseFormat) -> StructuredOutputs:
+    """vLLM's response_format of type structural_tag: xgrammar's `format` tree, or the original
+    `structures` (begin, schema, end) with their `triggers`."""
+    if response_format.format is not None:
+        tag = {"type": "structural_tag", "format": response_format.format}
+        return StructuredOutputs("structural_tag", json.dumps(tag), "response_format")
+    structures, triggers = response_format.structures, response_format.triggers
+    if not structures or not triggers:
+        raise invalid_request(
+            "response_format of type structural_tag needs a format, or structures and triggers",
+            "response_format",
+        )
+    constraint = structural_tag("response_format", {"structures": structures, "triggers": triggers})
+    assert constraint is not None  # given a value
+    return constraint
+
+
+def structural_tag(param: str, value: str | dict[str, Any] | None) -> StructuredOutputs | None:
+    """A structural tag given as its JSON (text or object): either shape, checked enough that the
+    compiler gets the fields it reads (engine/structured_outputs/structural_tag.py)."""
+    if value is None:
+        return None
+    tag = value
+    if isinstance(value, str):
+        try:
+            tag = load_json(value)
+        except ValueError as error:
+            raise invalid_request(f"{param} is not valid JSON: {error}", param) from None
+    if not isinstance(tag, dict):
+        raise invalid_request(f"{param} must be a JSON object", param)
+    if "structures" in tag:
+        _check_structures(param, tag)
+    elif not isinstance(tag.get("format"), dict):
+        raise invalid_request(f"{param} needs a format object, or structures and triggers", param)
+    return StructuredOutputs("structural_tag", json.dumps(tag), param)
+
+
+def _check_structures(param: str, tag: dict[str, Any]) -> None:
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    good_structures = (
+        isinstance(structures, list)
+        and bool(structures)
+        and all(
+            isinstance(item, dict)
+            and isinstance(item.get("begin"), str)
+            and isinstance(item.get("end"), str)
+            and isinstance(item.get("schema"), (dict, bool))
+            for item in structures
+        )
+    )
+    if not good_structures:
+        raise invalid_request(
+            f"{param}: structures must be a non-empty list of objects with begin and end "
+            "(strings) and schema (a JSON schema)",
+            param,
+        )
+    if not (
+        isinstance(triggers, list) and triggers and all(isinstance(t, str) and t for t in triggers)
+    ):
+        raise invalid_request(f"{param}: triggers must be a non-empty list of strings", param)

@@ -36,6 +36,10 @@ from pagedserve.engine.structured_outputs.spelling import (
     unspellable_in_pattern,
     vocabulary_bytes,
 )
+from pagedserve.engine.structured_outputs.structural_tag import (
+    compile_structural_tag,
+    embedded_constraints,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,20 +137,8 @@ class GrammarCompiler:
             return self._compiler
 
     def _compile(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
-        schema = parsed_schema(constraint)
-        check_limits(constraint, _describe(constraint), schema)
-        reason = unenforced_keyword(schema)
-        if reason is not None:
-            raise InvalidRequestError(
-                f"the JSON schema in {constraint.param} uses {reason}, which the structured-output "
-                "compiler (xgrammar) does not enforce: the output could break the schema",
-                constraint.param,
-            )
-        problem = invalid_keyword(schema)
-        if problem is not None:
-            raise InvalidRequestError(
-                f"invalid JSON schema in {constraint.param}: {problem}", constraint.param
-            )
+        for part in (constraint, *embedded_constraints(constraint)):  # a structural tag's too
+            _check(part)
         compiler = self._xgrammar_compiler()
         try:
             compiled = _compile_with(compiler, constraint)
@@ -182,6 +174,24 @@ class GrammarCompiler:
         )
 
 
+def _check(constraint: StructuredOutputs) -> None:
+    """The limits and schema checks a constraint must pass before it is compiled."""
+    schema = parsed_schema(constraint)
+    check_limits(constraint, _describe(constraint), schema)
+    reason = unenforced_keyword(schema)
+    if reason is not None:
+        raise InvalidRequestError(
+            f"the JSON schema in {constraint.param} uses {reason}, which the structured-output "
+            "compiler (xgrammar) does not enforce: the output could break the schema",
+            constraint.param,
+        )
+    problem = invalid_keyword(schema)
+    if problem is not None:
+        raise InvalidRequestError(
+            f"invalid JSON schema in {constraint.param}: {problem}", constraint.param
+        )
+
+
 def _compile_with(
     compiler: xgrammar.GrammarCompiler, constraint: StructuredOutputs
 ) -> xgrammar.CompiledGrammar:
@@ -196,6 +206,8 @@ def _compile_with(
         return compiler.compile_regex(spec)
     if kind == "grammar":
         return compiler.compile_grammar(spec)
+    if kind == "structural_tag":
+        return compile_structural_tag(compiler, spec)  # type: ignore[arg-type]
     return compiler.compile_grammar(choice_grammar(spec))
 
 
@@ -236,6 +248,7 @@ def _describe(constraint: StructuredOutputs) -> str:
         "regex": "regex",
         "grammar": "grammar",
         "choice": "choice",
+        "structural_tag": "structural tag",
     }[constraint.kind]
 
 

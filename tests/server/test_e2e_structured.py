@@ -150,6 +150,29 @@ def test_json_object_choice_and_regex_hold(client, model_name):
     assert re.fullmatch(pattern, completion.choices[0].text)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_structural_tag_s_content_validates(client, model_name, stream):
+    # vLLM's response_format of type structural_tag: here one forced tag around a JSON object.
+    tag = {"type": "tag", "begin": "<tool>", "end": "</tool>"}
+    tag["content"] = {"type": "json_schema", "json_schema": VERDICT_SCHEMA}
+    reply = client.chat.completions.create(
+        model=model_name,
+        messages=_user("Is water wet? Give a verdict."),
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        stream=stream,
+        extra_body={"response_format": {"type": "structural_tag", "format": tag}},
+    )
+    if stream:
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+    else:
+        assert reply.choices[0].finish_reason == "stop"
+        text = reply.choices[0].message.content
+    match = re.fullmatch(r"<tool>(.*)</tool>", text, re.S)
+    assert match is not None, text
+    jsonschema.validate(json.loads(match.group(1)), VERDICT_SCHEMA)
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -165,6 +188,10 @@ def test_json_object_choice_and_regex_hold(client, model_name):
         ({"guided_regex": "[a-"}, "guided_regex"),
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        (
+            {"response_format": {"type": "structural_tag", "format": {"type": "bogus"}}},
+            "response_format",
+        ),
     ],
 )
 def test_bad_constraints_are_400s_naming_the_parameter(client, model_name, extra, param):

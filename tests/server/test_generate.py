@@ -122,8 +122,15 @@ def test_sampling_parameters_reach_the_engine_in_its_terms(client, engine):
     assert (constraint.kind, constraint.spec) == ("json", '{"type": "object"}')
     _generate(client, text="hi", sampling_params={"regex": "a+", "json_schema": ""})
     _generate(client, text="hi", sampling_params={"ebnf": 'root ::= "a"'})
+    tag = {"structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}], "triggers": ["<f"]}
+    _generate(client, text="hi", sampling_params={"structural_tag": json.dumps(tag)})
     kinds = [params.structured_outputs.kind for _, _, params in engine.requests[1:]]
-    assert kinds == ["regex", "grammar"]  # SGLang: an empty string is no constraint
+    assert kinds == ["regex", "grammar", "structural_tag"]  # SGLang: "" is no constraint
+    assert engine.requests[-1][2].structured_outputs.spec == json.dumps(tag)
+    both = {"regex": "a", "structural_tag": json.dumps(tag)}
+    refused = client.post("/generate", json={"text": "hi", "sampling_params": both})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "sampling_params.structural_tag"
 
 
 def test_sglang_s_priority_is_higher_first_the_engine_s_lower_first(client_with, engine):

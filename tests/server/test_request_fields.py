@@ -9,6 +9,8 @@ import pytest
 
 from tests.server.conftest import sse_json
 
+TAG = '{"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}'
+
 USER = [{"role": "user", "content": "hi"}]
 ROUTES = {
     "/v1/completions": {"prompt": "hi", "max_tokens": 1},
@@ -272,7 +274,7 @@ def test_continuous_usage_stats_without_include_usage_is_refused_not_ignored(cli
     ("options", "param"),
     [
         ({"regex": "a", "whitespace_pattern": " *"}, "structured_outputs.whitespace_pattern"),
-        ({"regex": "a", "structural_tag": "{}"}, "structured_outputs.structural_tag"),
+        ({"regex": "a", "structural_tag": TAG}, "structured_outputs.structural_tag"),  # 2
         ({"regex": "a", "regx": "b"}, "structured_outputs.regx"),  # unknown: refused, as vLLM
         ({"json_schema": {"type": "object"}}, "structured_outputs.json_schema"),
         ({}, "structured_outputs"),  # no constraint at all is a mistake, not free text

@@ -12,6 +12,10 @@ from pagedserve.configs import StructuredOutputs
 
 USER = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+FORMAT = {"type": "triggered_tags", "triggers": ["<f="], "tags": []}
+STRUCTURES = [{"begin": "<f=a>", "schema": SCHEMA, "end": "</f>"}]
+LEGACY_TAG = {"structures": STRUCTURES, "triggers": ["<f="]}
+FORMAT_TAG = {"type": "structural_tag", "format": FORMAT}
 JSON_SCHEMA_FORMAT = {
     "type": "json_schema",
     "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True},
@@ -30,6 +34,22 @@ ACCEPTED = [
     ({"structured_outputs": {"json_object": True}}, StructuredOutputs("json_object")),
     ({"structured_outputs": {"json": SCHEMA}}, StructuredOutputs("json", json.dumps(SCHEMA))),
     ({"response_format": None, "guided_json": None}, None),
+    (
+        {"response_format": {"type": "structural_tag", "format": FORMAT}},
+        StructuredOutputs("structural_tag", json.dumps(FORMAT_TAG)),
+    ),
+    (
+        {"response_format": {"type": "structural_tag", **LEGACY_TAG}},
+        StructuredOutputs("structural_tag", json.dumps(LEGACY_TAG)),
+    ),
+    (
+        {"structured_outputs": {"structural_tag": json.dumps(LEGACY_TAG)}},
+        StructuredOutputs("structural_tag", json.dumps(LEGACY_TAG)),
+    ),
+    (
+        {"structured_outputs": {"structural_tag": FORMAT_TAG}},
+        StructuredOutputs("structural_tag", json.dumps(FORMAT_TAG)),
+    ),
 ]
 
 
@@ -58,6 +78,18 @@ BAD = [
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_regex": ""}, "guided_regex"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, None),
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "structures": STRUCTURES}}, "response_format"),
+    (
+        {"response_format": {"type": "structural_tag", "structures": [{}], "triggers": ["<"]}},
+        "response_format",
+    ),
+    ({"structured_outputs": {"structural_tag": "{no"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": "[1]"}}, "structured_outputs.structural_tag"),
+    (
+        {"structured_outputs": {"structural_tag": {**LEGACY_TAG, "triggers": [""]}}},
+        "structured_outputs.structural_tag",
+    ),
 ]
 
 
