@@ -285,6 +285,12 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int = Field(
         512, ge=1, description="token budget per step (chunked prefill beyond it)"
     )
+    long_prefill_token_threshold: int = Field(
+        0,
+        ge=0,
+        description="most tokens of one prompt per step while other requests share the step, so "
+        "a long prompt does not take every step's budget from short ones (vLLM's; 0: no cap)",
+    )
     max_waiting_requests: int = Field(
         1024,
         ge=1,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.scheduler.request import RequestStatus
+from pagedserve.cache.block_table import BlockTable
+from pagedserve.scheduler.request import Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,25 @@ class ScheduledRequest:
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+    @classmethod
+    def plan(
+        cls, request: Request, tables: list[BlockTable], num_new_tokens: int, drafts: tuple = ()
+    ) -> ScheduledRequest:
+        """`request`'s next `num_new_tokens` (and `drafts`) over its tables, one per layer group,
+        grown for them already."""
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
+        return cls(
+            sequence_id=request.sequence_id,
+            token_ids=request.all_token_ids[start:end] + list(drafts),
+            start_position=start,
+            slot_mappings=tuple(table.slot_mapping(start, end + len(drafts)) for table in tables),
+            block_tables=tuple(table.block_ids for table in tables),
+            needs_sample=end == request.num_tokens and request.sampling_params.max_tokens > 0,
+            draft_token_ids=drafts,
+            prompt_logprob_rows=request.prompt_logprob_rows(start, end),
+            lora=request.lora,
+        )
 
     @property
     def seq_len(self) -> int:

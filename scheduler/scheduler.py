@@ -8,7 +8,8 @@ Each step, in this order, and why:
    (1 for a decode, the next chunk for a prompt) within the step's token budget, and its block
    table grows by exactly the blocks those tokens need. Running work goes first so that decodes
    never stall behind a long prompt; a long prompt is split into chunks (chunked prefill), and a
-   chunk leaves one token of the budget for every decode behind it in the running order.
+   chunk leaves one token of the budget for every decode behind it in the running order. With
+   `long_prefill_token_threshold`, at most that long while others share the step (vLLM's).
 3. When a table cannot grow (the pool is dry), the lowest-priority, latest-arrived running
    request not yet scheduled is preempted (recompute: blocks released, progress reset to 0,
    generated tokens kept) and the allocation retried; if that victim is the failing request, it
@@ -58,6 +59,7 @@ class Scheduler:
         # Prompt tokens sought / hit in the prefix cache per request, not per retry or readmission.
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.speculator = Speculator(config.speculative_config, block_manager, max_model_len)
+        self._prefill_cap = 0  # this step's cap on a prompt chunk (0: none; schedule())
 
     # ---- admission and removal -------------------------------------------------------------
 
@@ -130,6 +132,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         num_preemptions_before = self.num_preemptions
         self._fork_ready_children()
+        shared = self.num_running + self.num_waiting > 1  # alone, it starves nobody: no cap
+        self._prefill_cap = self.config.long_prefill_token_threshold if shared else 0
         token_budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
         if self.num_preemptions == num_preemptions_before:  # no admission in a step that preempted
             token_budget = self._schedule_waiting(token_budget, scheduled)
@@ -148,7 +152,7 @@ class Scheduler:
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_remaining = request.num_tokens - request.num_computed_tokens
-            num_new_tokens = min(num_remaining, token_budget)
+            num_new_tokens = self._chunk(num_remaining, token_budget)
             if num_remaining == 1:
                 decodes_left -= 1
             elif num_new_tokens > 1:
@@ -170,7 +174,9 @@ class Scheduler:
             request = self.waiting[0]
             if not self._admit(request, token_budget):
                 break
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new_tokens = self._chunk(
+                request.num_tokens - request.num_computed_tokens, token_budget
+            )
             scheduled.append(self._plan(request, num_new_tokens))
             token_budget -= num_new_tokens
         return token_budget
@@ -205,7 +211,7 @@ class Scheduler:
         num_cached = block_manager.allocate_cached_prefix(
             request.sequence_id, request.all_token_ids, salt, max_cached_tokens
         )
-        num_new_tokens = min(request.num_tokens - num_cached, token_budget)
+        num_new_tokens = self._chunk(request.num_tokens - num_cached, token_budget)
         if not block_manager.allocate_slots(request.sequence_id, num_new_tokens, num_cached):
             block_manager.free(request.sequence_id)  # give back the prefix hits: nothing changed
             return False
@@ -260,19 +266,13 @@ class Scheduler:
                 self._insert_waiting_ahead(child)
 
     def _plan(self, request: Request, num_new_tokens: int, drafts: tuple = ()) -> ScheduledRequest:
-        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
         tables = [group[request.sequence_id] for group in self.block_manager.group_tables]
-        return ScheduledRequest(
-            sequence_id=request.sequence_id,
-            token_ids=request.all_token_ids[start:end] + list(drafts),
-            start_position=start,
-            slot_mappings=tuple(table.slot_mapping(start, end + len(drafts)) for table in tables),
-            block_tables=tuple(table.block_ids for table in tables),
-            needs_sample=end == request.num_tokens and request.sampling_params.max_tokens > 0,
-            draft_token_ids=drafts,
-            prompt_logprob_rows=request.prompt_logprob_rows(start, end),
-            lora=request.lora,
-        )
+        return ScheduledRequest.plan(request, tables, num_new_tokens, drafts)
+
+    def _chunk(self, num_remaining: int, token_budget: int) -> int:
+        """A request's tokens this step: what it has left, within the budget and, for a long
+        prompt while others share the step, --long-prefill-token-threshold (vLLM's)."""
+        return min(num_remaining, token_budget, self._prefill_cap or num_remaining)
 
     # ---- after the forward pass ------------------------------------------------------------
 

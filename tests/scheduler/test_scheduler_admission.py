@@ -166,6 +166,40 @@ def test_long_prompt_is_prefilled_in_chunks_while_other_requests_keep_decoding()
     assert log.finished["long"].output_token_ids == expected_output_token_ids(long_prompt)
 
 
+def test_long_prefill_token_threshold_lets_prompts_prefill_side_by_side():
+    # vLLM's --long-prefill-token-threshold: a 100-token prompt takes at most 16 tokens a step
+    # while others share it, so a short prompt arriving behind it is done in its first step.
+    scheduler = make_scheduler(
+        num_blocks=64, block_size=4, max_num_batched_tokens=64, long_prefill_token_threshold=16
+    )
+    runner, log = FakeModelRunner(scheduler), RunLog()
+    long_prompt = make_request("long", 100, max_tokens=2, ignore_eos=True)
+    scheduler.add_request(long_prompt)
+    first = step(scheduler, runner, log)
+    assert [(s.sequence_id, s.num_new_tokens) for s in first.requests] == [("long", 64)]  # alone
+    for request_id in ("short", "mid"):
+        scheduler.add_request(make_request(request_id, 10 if request_id == "short" else 40))
+    second = step(scheduler, runner, log)
+    assert [(s.sequence_id, s.num_new_tokens) for s in second.requests] == [
+        ("long", 16),
+        ("short", 10),
+        ("mid", 16),
+    ]
+    assert [s.needs_sample for s in second.requests] == [False, True, False]
+    log = run_to_completion(scheduler, runner)
+    assert log.finished["long"].output_token_ids == expected_output_token_ids(long_prompt)
+
+
+def test_without_a_threshold_a_long_prompt_takes_the_whole_budget():
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64)
+    runner = FakeModelRunner(scheduler)
+    for request_id, length in (("long", 100), ("short", 10)):
+        scheduler.add_request(make_request(request_id, length, max_tokens=2, ignore_eos=True))
+    plan = step(scheduler, runner)
+    assert [(s.sequence_id, s.num_new_tokens) for s in plan.requests] == [("long", 64)]
+    run_to_completion(scheduler, runner)
+
+
 def test_a_prompt_sorted_ahead_of_running_decodes_leaves_each_of_them_a_token():
     # A more important prompt arrives while four requests decode: it sorts ahead of them in
     # `running` (so would a recomputing preempted request under FCFS), and its chunks must not
