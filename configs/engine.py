@@ -18,14 +18,36 @@ from pagedserve.configs.sampling import SamplingParams, SamplingParamsError
 from pagedserve.configs.speculative import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-# The generation_config fields that are sampling defaults (SamplingParams' names).
-GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# The generation_config fields that are sampling defaults (vLLM's set): SamplingParams' names,
+# but for max_new_tokens, which is max_tokens (`sampling_name`).
+GENERATION_CONFIG_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_new_tokens",
+)
+
+
+def sampling_name(name: str) -> str:
+    """A generation_config field's SamplingParams name."""
+    return "max_tokens" if name == "max_new_tokens" else name
+
+
+def without_max_tokens(defaults: dict[str, float | int]) -> dict[str, float | int]:
+    """The defaults a route passes to SamplingParams beside the max_tokens it resolves itself
+    (from `defaults.get("max_tokens")` where the request left it out)."""
+    return {name: value for name, value in defaults.items() if name != "max_tokens"}
 
 
 def as_sampling_value(name: str, value: float | int) -> float | int:
     """A generation config's value as SamplingParams takes it: top_k 20.0 (JSON written by
-    hand) is 20."""
-    if name == "top_k" and isinstance(value, float) and value.is_integer():
+    hand) is 20, as is max_new_tokens 20.0."""
+    integral = name in ("top_k", "max_new_tokens")
+    if integral and isinstance(value, float) and value.is_integer():
         return int(value)
     return value
 
@@ -187,7 +209,7 @@ class ModelConfig(_Section):
             return None
         value = {name: as_sampling_value(name, setting) for name, setting in value.items()}
         try:  # out of range, every request leaving the field out would be refused
-            SamplingParams(**value)
+            SamplingParams(**{sampling_name(name): setting for name, setting in value.items()})
         except SamplingParamsError as error:
             raise ValueError(f"override_generation_config: {error}") from None
         return value

@@ -30,18 +30,45 @@ def from_pretrained_kwargs(model_path: Path, config: ModelConfig) -> dict[str, A
     return kwargs
 
 
+# Names that would make the checkpoint another kind of model than its weights are, which vLLM's
+# conversions (e.g. a causal LM served as a reranker) rely on and pagedserve does not do.
+REFUSED = ("architectures", "classifier_from_token", "is_original_qwen3_reranker")
+# transformers 5 keeps RoPE settings in `rope_parameters`; `rope_scaling` (vLLM's examples) names
+# the same dict.
+ALIASES = {"rope_scaling": "rope_parameters"}
+
+
 def apply_overrides(
     hf_config: PretrainedConfig, overrides: dict[str, Any], prefix: str = ""
 ) -> None:
-    """Set each override on `hf_config`; an object over a sub-config sets that sub-config's fields.
-    A name the config does not have is set too (a model's code may read it), with a warning, since
-    it is as likely a typo."""
+    """Set each override on `hf_config`. An object over a sub-config sets that sub-config's fields,
+    and over a dict (RoPE's parameters) merges into it, so `{"rope_scaling": {"rope_type":
+    "linear", "factor": 4.0}}` keeps the checkpoint's rope_theta. A name the config does not have
+    is set too (a model's code may read it), with a warning, since it is as likely a typo."""
     for name, value in overrides.items():
+        if name in REFUSED:
+            raise ValueError(
+                f"hf_overrides: {name} is not overridden here: pagedserve serves a checkpoint as "
+                "the model its weights are"
+            )
+        name = ALIASES.get(name, name) if hasattr(hf_config, ALIASES.get(name, name)) else name
         current = getattr(hf_config, name, None)
         if isinstance(current, PretrainedConfig) and isinstance(value, dict):
             apply_overrides(current, value, f"{prefix}{name}.")
             continue
-        if not hasattr(hf_config, name):
+        if isinstance(current, dict) and isinstance(value, dict):
+            value = _merged(current, value)
+        elif not hasattr(hf_config, name):
             logger.warning("hf_overrides: the model's config has no %s%s; set anyway", prefix, name)
         setattr(hf_config, name, value)
         logger.info("hf_overrides: %s%s = %r", prefix, name, value)
+
+
+def _merged(current: dict[str, Any], value: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(current)
+    for key, item in value.items():
+        old = merged.get(key)
+        merged[key] = (
+            _merged(old, item) if isinstance(old, dict) and isinstance(item, dict) else item
+        )
+    return merged

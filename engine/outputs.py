@@ -128,6 +128,7 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # prompt tokens prefilled: each choice's, counted at its first token
+    num_prefilled_tokens: int = 0  # prompt tokens computed (no prefix-cache hits; recomputes too)
     num_generation_tokens: int = 0
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found

@@ -9,7 +9,12 @@ import logging
 from typing import Any
 
 from pagedserve.configs import SamplingParams, SamplingParamsError
-from pagedserve.configs.engine import GENERATION_CONFIG_FIELDS, ModelConfig, as_sampling_value
+from pagedserve.configs.engine import (
+    GENERATION_CONFIG_FIELDS,
+    ModelConfig,
+    as_sampling_value,
+    sampling_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -17,8 +22,11 @@ logger = logging.getLogger(__name__)
 def model_sampling_defaults(model: Any, config: ModelConfig) -> dict[str, float | int]:
     """The model's sampling defaults (only those its generation config sets, as transformers'
     `to_diff_dict` tells them from its own defaults; none under `--generation-config vllm`), with
-    `--override-generation-config` over them (checked with the config)."""
-    return {**_from_the_model(model, config), **(config.override_generation_config or {})}
+    `--override-generation-config` over them (checked with the config); SamplingParams' names
+    (a generation config's max_new_tokens is the default max_tokens, as in vLLM)."""
+    overrides = config.override_generation_config or {}
+    merged = {**_from_the_model(model, config), **overrides}
+    return {sampling_name(name): value for name, value in merged.items()}
 
 
 def _from_the_model(model: Any, config: ModelConfig) -> dict[str, float | int]:
@@ -33,7 +41,7 @@ def _from_the_model(model: Any, config: ModelConfig) -> dict[str, float | int]:
             continue
         value = as_sampling_value(name, value)
         try:  # one out of our range would fail every request that leaves the field out
-            SamplingParams(**{name: value})
+            SamplingParams(**{sampling_name(name): value})
         except SamplingParamsError as error:
             logger.warning("ignoring the model's generation_config %s=%r: %s", name, value, error)
             continue

@@ -214,6 +214,7 @@ def beam_search_params(
     max_tokens: int,
     structured_outputs: StructuredOutputs | None,
     lora: str | None = None,
+    max_logprobs: int = -1,
 ) -> BeamSearchParams | None:
     """The request's beam search (None without `use_beam_search`); raises a 400 naming the
     field for one that beam search would not honour (an output constraint among them)."""
@@ -238,6 +239,12 @@ def beam_search_params(
         )
     if not math.isfinite(body.length_penalty):
         raise invalid_request("length_penalty must be a finite number.", "length_penalty")
+    if max_logprobs != -1 and 2 * width > max_logprobs:  # each step scores 2 x width candidates
+        raise invalid_request(
+            f"use_beam_search with n={width} needs {2 * width} alternatives per token, more than "
+            f"the server returns ({max_logprobs}, --max-logprobs).",
+            "n",
+        )
     return BeamSearchParams(
         width,
         max_tokens,

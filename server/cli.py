@@ -354,6 +354,17 @@ def _run_batch(args: argparse.Namespace, config: EngineConfig, batch: list[Any])
     )
 
 
+def _check_default_template_kwargs(config: EngineConfig) -> None:
+    """Before the model loads: --default-chat-template-kwargs naming how a template is applied
+    (the app checks again against the model's own tokenizer once it is loaded)."""
+    from transformers import PreTrainedTokenizerBase
+
+    from pagedserve.server.prompts import check_default_template_kwargs
+
+    defaults = config.server.default_chat_template_kwargs
+    check_default_template_kwargs(PreTrainedTokenizerBase, defaults)
+
+
 def _checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
     try:
         config = config_from_args(args)
@@ -364,6 +375,7 @@ def _checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             check_model_found(config.model)  # a typo: one line here, not a traceback later
             if config.model.chat_template is not None:
                 read_chat_template(config.model.chat_template)
+            _check_default_template_kwargs(config)
         return config
     except ValidationError as exc:  # one line per run, naming each field
         parser.error(

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pagedserve.configs import SamplingParams, StructuredOutputs
+from pagedserve.configs.engine import without_max_tokens
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.protocol import _Request
 from pagedserve.server.structured import structural_tag
@@ -134,7 +135,7 @@ class GenerateSamplingParams(BaseModel):
         }
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
-            **{**engine_fields.pop("defaults"), **sampled},
+            **{**without_max_tokens(engine_fields.pop("defaults")), **sampled},
             n=self.n,
             min_tokens=self.min_new_tokens,
             stop=tuple(stop),

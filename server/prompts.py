@@ -115,7 +115,11 @@ def template_kwargs(request: Request, requested: dict[str, Any] | None) -> dict[
     """A chat request's template variables: the server's --default-chat-template-kwargs with the
     request's own chat_template_kwargs over them (vLLM's precedence)."""
     defaults = request.app.state.config.server.default_chat_template_kwargs or {}
-    return {**defaults, **(requested or {})}
+    # As vLLM's merge: a request's null or "auto" leaves the server's value in place.
+    chosen = {
+        name: value for name, value in (requested or {}).items() if value not in (None, "auto")
+    }
+    return {**defaults, **chosen}
 
 
 def check_default_template_kwargs(tokenizer: Any, defaults: dict[str, Any] | None) -> None:

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from pagedserve.configs import SamplingParams, StructuredOutputs
+from pagedserve.configs.engine import without_max_tokens
 from pagedserve.server.tool_protocol import (
     NamedToolChoice,
     RequestToolCall,
@@ -189,7 +190,8 @@ class SamplingFields(_Request):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
-        optional = {**(defaults or {}), **{k: v for k, v in requested.items() if v is not None}}
+        set_here = {k: v for k, v in requested.items() if v is not None}
+        optional = {**without_max_tokens(defaults or {}), **set_here}
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
             **{name: value for name, value in optional.items() if value is not None},

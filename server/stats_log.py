@@ -5,9 +5,12 @@ Prometheus server.
     Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 96.0 tokens/s, Running: 12
     reqs, Waiting: 3 reqs, KV cache usage: 41.3%, Prefix cache hit rate: 62.5%
 
-Throughputs are the interval's (counter deltas over the time between two lines); the hit rate is
+Throughputs are the interval's (counter deltas over the time between two lines): prompt tokens
+computed (prefix-cache hits are not, a preempted request's recomputed ones are, as in vLLM's line;
+/metrics' prompt_tokens counts every choice's whole prompt) and tokens generated. The hit rate is
 the interval's too (vLLM's is over its last thousand requests), "n/a" when no prompt was looked
-up. Preemptions and, with speculative decoding, the draft acceptance rate are added when the
+up. vLLM's line says "GPU KV cache usage"; this one "KV cache usage" (the cache may be on the
+CPU). Preemptions and, with speculative decoding, the draft acceptance rate are added when the
 interval had any. An idle engine logs nothing: a line is written while requests run or wait, or
 tokens were processed since the last line, and once more when it falls idle, so the last line
 shows it at rest. `--no-log-stats` (vLLM's `--disable-log-stats`) turns the lines off.
@@ -36,7 +39,7 @@ class StatsLine:
         """The line for the interval since the last call, or None where the engine stayed idle."""
         last, elapsed = self._last, max(now - self._last_time, 1e-9)
         self._last, self._last_time = stats, now
-        prompt = stats.num_prompt_tokens - last.num_prompt_tokens
+        prompt = stats.num_prefilled_tokens - last.num_prefilled_tokens
         generated = stats.num_generation_tokens - last.num_generation_tokens
         busy = bool(prompt or generated or stats.num_requests_running or stats.num_requests_waiting)
         if not busy and not self._was_busy:

@@ -166,8 +166,7 @@ class EventStreamResponse(Response):
 
 
 def force_usage(body: SamplingFields, request: Request) -> None:
-    """--enable-force-include-usage (vLLM's): a stream ends with a usage chunk even where the
-    request did not ask for one; a request that asked keeps its own stream options."""
-    forced = request.app.state.config.server.enable_force_include_usage
-    if forced and body.stream and not body.include_usage:
-        body.stream_options = StreamOptions(include_usage=True)
+    """--enable-force-include-usage (vLLM's): every stream carries usage, on each chunk and in a
+    last chunk of its own, whatever its stream_options asked."""
+    if request.app.state.config.server.enable_force_include_usage and body.stream:
+        body.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)

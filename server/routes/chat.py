@@ -182,8 +182,14 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> ChatRun:
     max_tokens_param = (
         "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     )
+    default = engine.sampling_defaults.get("max_tokens")  # None: the rest of the context
     max_tokens = resolve_max_tokens(
-        requested, None, len(prompt.token_ids), engine.max_model_len, "messages", max_tokens_param
+        requested,
+        default,
+        len(prompt.token_ids),
+        engine.max_model_len,
+        "messages",
+        max_tokens_param,
     )
     if max_tokens == 0 and body.prompt_logprobs is None:
         raise invalid_request(
@@ -213,7 +219,8 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> ChatRun:
     constraint = params.structured_outputs
     reasoning_parser = server_parser if constraint is None or constraint.think else None
     _check_hidden_reasoning(body, server_parser, reasoning_parser)
-    beam = beam_search_params(body, max_tokens, params.structured_outputs, lora)
+    max_logprobs = request.app.state.config.model.max_logprobs
+    beam = beam_search_params(body, max_tokens, params.structured_outputs, lora, max_logprobs)
     recorder = RequestRecorder.of(request, [len(prompt.token_ids)], params.n)
     stream = await start_generation(
         request, [EngineInput(prompt.token_ids, params, body.priority, beam)], recorder

@@ -83,7 +83,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     for prompt in prompts:
         max_tokens = resolve_max_tokens(
             body.max_tokens,
-            DEFAULT_MAX_TOKENS,
+            engine.sampling_defaults.get("max_tokens", DEFAULT_MAX_TOKENS),
             len(prompt.token_ids),
             engine.max_model_len,
             "prompt",
@@ -98,7 +98,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             bad_words_token_ids=bad_words,
             lora=lora,
         )
-        beam = beam_search_params(body, max_tokens, structured_outputs, lora)
+        max_logprobs = request.app.state.config.model.max_logprobs
+        beam = beam_search_params(body, max_tokens, structured_outputs, lora, max_logprobs)
         inputs.append(EngineInput(prompt.token_ids, params, body.priority, beam))
     n = inputs[0].params.n
     recorder = RequestRecorder.of(request, [len(p.token_ids) for p in prompts], n)

@@ -193,7 +193,7 @@ def _max_tokens(
     explicit = "max_new_tokens" in sampling.model_fields_set
     return resolve_max_tokens(
         sampling.max_new_tokens if explicit else None,
-        None if explicit else DEFAULT_MAX_NEW_TOKENS,  # null: the rest of the context
+        None if explicit else engine.sampling_defaults.get("max_tokens", DEFAULT_MAX_NEW_TOKENS),
         len(prompt.token_ids),
         engine.max_model_len,
         param,

@@ -65,6 +65,17 @@ def test_without_a_loadable_vllm_the_benchmark_says_so_and_times_ours_only(tmp_p
     assert json.loads(output.read_text())["config"]["vllm_library"] is None
 
 
+def test_a_library_that_does_not_load_is_skipped_with_its_error(tmp_path, capsys):
+    venv = _fake_venv(tmp_path / "v", metadata.version("torch"), "_C.abi3.so")  # an empty file
+    for build in ("_C_AVX512.abi3.so", "_C_AVX2.abi3.so"):
+        (next(venv.glob("lib/*/site-packages/vllm")) / build).write_bytes(b"")
+    output = tmp_path / "attention.json"
+    argv = [*TINY_STEP, "--dtype", "float32", "--vllm-venv", str(venv), "--output", str(output)]
+    rows = attention.main(argv)
+    assert "does not load here" in capsys.readouterr().out
+    assert not any(row["impl"].startswith("vllm") for row in rows)
+
+
 @pytest.mark.slow
 def test_vllms_kernel_is_timed_on_the_same_step_with_the_same_answer(tmp_path):
     venv = Path.home() / "venv-vllm"

@@ -103,3 +103,22 @@ def test_max_logprobs_caps_the_alternatives_a_request_may_ask_for(
             engine.add_request(f"over-{field}", [5, 6, 7], params)
         assert error.value.param == field
     assert not engine.has_unfinished_requests()
+
+
+def test_prefilled_tokens_count_what_was_computed_not_prefix_cache_hits(tiny_loaded):
+    """The stats line's prompt throughput (server/stats_log.py) reads this counter: prompt
+    tokens computed. A prompt served again from the prefix cache computes only its uncached tail
+    (a whole-block hit leaves the last token to compute), and an n=2 request computes its prompt
+    once plus its second choice's last token."""
+    engine = make_engine(tiny_loaded, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(5, 45))  # 40 tokens: 10 blocks
+    engine.add_request("first", prompt, greedy_params(max_tokens=2))
+    run_to_completion(engine)
+    assert engine.stats().num_prefilled_tokens == 40
+    engine.add_request("again", prompt, greedy_params(max_tokens=2))
+    run_to_completion(engine)
+    again = engine.stats().num_prefilled_tokens - 40
+    assert 1 <= again <= 4 and engine.stats().num_prompt_tokens == 80
+    engine.add_request("pair", list(range(50, 70)), greedy_params(max_tokens=2, n=2))
+    run_to_completion(engine)
+    assert engine.stats().num_prefilled_tokens - 40 - again == 20 + 1

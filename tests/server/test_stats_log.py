@@ -15,7 +15,7 @@ from pagedserve.server.cli import build_parser
 from pagedserve.server.stats_log import StatsLine
 from tests.server.conftest import make_config
 
-IDLE = EngineStats(num_prompt_tokens=100, num_generation_tokens=40, kv_cache_usage=0.0)
+IDLE = EngineStats(num_prefilled_tokens=100, num_generation_tokens=40, kv_cache_usage=0.0)
 
 
 def test_a_busy_interval_gives_its_throughputs_load_and_hit_rate():
@@ -24,7 +24,7 @@ def test_a_busy_interval_gives_its_throughputs_load_and_hit_rate():
         num_requests_running=3,
         num_requests_waiting=1,
         kv_cache_usage=0.4125,
-        num_prompt_tokens=100 + 2_000,
+        num_prefilled_tokens=100 + 2_000,
         num_generation_tokens=40 + 250,
         prefix_cache_queries=1_000,
         prefix_cache_hits=625,
@@ -38,11 +38,13 @@ def test_a_busy_interval_gives_its_throughputs_load_and_hit_rate():
 def test_idle_intervals_log_nothing_but_the_fall_to_idle_is_logged_once():
     line = StatsLine(IDLE, now=0.0)
     assert line.next_line(IDLE, now=10.0) is None  # idle from the start: silent
-    working = EngineStats(num_requests_running=1, num_prompt_tokens=100, num_generation_tokens=60)
+    working = EngineStats(
+        num_requests_running=1, num_prefilled_tokens=100, num_generation_tokens=60
+    )
     assert "Avg generation throughput: 4.0 tokens/s, Running: 1 reqs" in line.next_line(
         working, now=15.0
     )
-    at_rest = EngineStats(num_prompt_tokens=100, num_generation_tokens=60)
+    at_rest = EngineStats(num_prefilled_tokens=100, num_generation_tokens=60)
     assert line.next_line(at_rest, now=25.0) == (
         "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
         "Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, Prefix cache hit rate: n/a"
@@ -52,7 +54,7 @@ def test_idle_intervals_log_nothing_but_the_fall_to_idle_is_logged_once():
 
 def test_waiting_requests_alone_keep_the_lines_coming():
     line = StatsLine(IDLE, now=0.0)
-    queued = EngineStats(num_requests_waiting=5, num_prompt_tokens=100, num_generation_tokens=40)
+    queued = EngineStats(num_requests_waiting=5, num_prefilled_tokens=100, num_generation_tokens=40)
     assert "Waiting: 5 reqs" in line.next_line(queued, now=10.0)
     assert "Waiting: 5 reqs" in line.next_line(queued, now=20.0)
 
@@ -61,7 +63,7 @@ def test_preemptions_and_draft_acceptance_appear_when_the_interval_had_them():
     line = StatsLine(IDLE, now=0.0)
     stats = EngineStats(
         num_requests_running=2,
-        num_prompt_tokens=100,
+        num_prefilled_tokens=100,
         num_generation_tokens=90,
         num_preemptions=3,
         spec_num_draft_tokens=40,
@@ -71,7 +73,7 @@ def test_preemptions_and_draft_acceptance_appear_when_the_interval_had_them():
     assert text.endswith(", Preemptions: 3, Draft acceptance rate: 75.0%")
     calm = EngineStats(
         num_requests_running=2,
-        num_prompt_tokens=100,
+        num_prefilled_tokens=100,
         num_generation_tokens=95,
         num_preemptions=3,
         spec_num_draft_tokens=40,

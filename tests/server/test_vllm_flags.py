@@ -182,6 +182,18 @@ def test_max_logprobs_sets_the_cap_each_route_names_its_own_field_against(
     assert client_with(max_logprobs=-1).post(path, json={**body, field: 500}).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_beam_search_wider_than_max_logprobs_allows_names_n(client_with, path):
+    # Each beam step scores 2 x n candidates: n=3 needs 6 alternatives per token.
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": USER}
+    body |= {"use_beam_search": True, "n": 3, "max_tokens": 2}
+    refused = client_with(max_logprobs=5).post(path, json=body)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "n"
+    assert "needs 6 alternatives per token" in refused.json()["error"]["message"]
+    assert client_with(max_logprobs=6).post(path, json=body).status_code == 200
+
+
 def test_default_chat_template_kwargs_reach_the_template_under_the_request_s_own(client_with):
     client = client_with(default_chat_template_kwargs='{"enable_thinking": false, "style": "a"}')
     rendered = client.post("/tokenize", json={"messages": USER}).json()["tokens"]
@@ -191,6 +203,19 @@ def test_default_chat_template_kwargs_reach_the_template_under_the_request_s_own
     assert bytes(rendered).decode().startswith("[enable_thinking=False][style=b]<user>hi")
     reply = client.post("/v1/chat/completions", json={**body, "return_prompt_text": True})
     assert reply.json()["prompt_text"].startswith("[enable_thinking=False][style=b]")
+    # A request's null or "auto" leaves the server's value (vLLM's merge).
+    unset = {"messages": USER, "chat_template_kwargs": {"enable_thinking": None, "style": "auto"}}
+    rendered = client.post("/tokenize", json=unset).json()["tokens"]
+    assert bytes(rendered).decode().startswith("[enable_thinking=False][style=a]<user>hi")
+
+
+def test_default_chat_template_kwargs_naming_how_it_is_applied_fail_before_the_model_loads(
+    capsys,
+):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--default-chat-template-kwargs", '{"add_generation_prompt": false}'])
+    assert exit_info.value.code == 2
+    assert "may not set add_generation_prompt" in capsys.readouterr().err
 
 
 def test_default_chat_template_kwargs_naming_how_the_template_is_applied_stop_the_start(engine):
@@ -211,9 +236,15 @@ def test_force_include_usage_ends_every_stream_with_usage(client_with, path, bod
     client = client_with(enable_force_include_usage=forced)
     chunks = sse_json(client.post(path, json={**body, "stream": True, "max_tokens": 3}).text)
     assert (chunks[-1].get("usage") is not None) is forced
-    if forced:
+    if forced:  # as vLLM's: on every chunk with a token, and in a last chunk of its own
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
-    # A request's own options stand; a non-streamed reply has its usage either way.
-    asked = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    assert sse_json(client.post(path, json=asked).text)[-1]["usage"] is not None
+        with_tokens = [c for c in chunks[:-1] if c["choices"] and _has_text(c["choices"][0])]
+        assert with_tokens and all(c.get("usage") for c in with_tokens)
+    # Forced, a request's own options do not turn it off; a whole reply has usage either way.
+    off = {**body, "stream": True, "stream_options": {"include_usage": False}}
+    assert (sse_json(client.post(path, json=off).text)[-1].get("usage") is not None) is forced
     assert client.post(path, json=body).json()["usage"]["total_tokens"] > 0
+
+
+def _has_text(choice: dict) -> bool:
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
