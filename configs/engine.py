@@ -398,6 +398,11 @@ class ServerConfig(_Section):
         description="chat template variables for every request, as JSON (vLLM's), e.g. "
         '{"enable_thinking": false}; a request\'s own chat_template_kwargs win',
     )
+    return_tokens_as_token_ids: bool = Field(
+        False,
+        description="name logprob tokens token_id:<id> for requests that leave "
+        "return_tokens_as_token_ids out (vLLM's)",
+    )
     enable_force_include_usage: bool = Field(
         False,
         description="end every stream with a usage chunk, as if it asked with "

@@ -136,7 +136,7 @@ class SamplingFields(_Request):
     # vLLM's token tracing: the prompt's and each choice's token ids beside the text, and logprob
     # tokens named "token_id:<id>" (server/token_bytes.py)
     return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: --return-tokens-as-token-ids
     priority: int = 0  # with --scheduling-policy priority: lower is served first (as vLLM)
     # vLLM's beam search (server/beam_search.py): n is the beam width
     use_beam_search: bool = False
@@ -155,6 +155,12 @@ class SamplingFields(_Request):
         if options is not None and not info.data.get("stream"):  # as OpenAI and vLLM
             raise ValueError("stream_options is only allowed when stream is true")
         return options
+
+    def tokens_as_ids(self, server_default: bool) -> bool:
+        """Whether logprob tokens are named "token_id:<id>": the request's choice, else the
+        server's --return-tokens-as-token-ids (vLLM's precedence)."""
+        asked = self.return_tokens_as_token_ids
+        return server_default if asked is None else asked
 
     @property
     def include_usage(self) -> bool:

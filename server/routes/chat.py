@@ -242,7 +242,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> ChatRun:
     output = _Output(
         engine.tokenizer,
         num_top or 0,
-        body.return_tokens_as_token_ids,
+        body.tokens_as_ids(request.app.state.config.server.return_tokens_as_token_ids),
         prompt.token_ids if body.return_token_ids else None,
         prompt.text if body.return_prompt_text else None,
         _echo(body),

@@ -110,13 +110,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         "model": lora or engine.model_name,
     }
     num_echo_top = body.logprobs if body.echo else None
+    tokens_as_ids = body.tokens_as_ids(request.app.state.config.server.return_tokens_as_token_ids)
     choices = {
         (prompt_idx, index): ChoiceText(
             engine.tokenizer,
             prompt.text if body.echo else "",
             prompt.token_ids,
             num_echo_top,
-            body.return_tokens_as_token_ids,
+            tokens_as_ids,
         )
         for prompt_idx, prompt in enumerate(prompts)
         for index in range(n)

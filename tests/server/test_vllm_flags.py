@@ -248,3 +248,21 @@ def test_force_include_usage_ends_every_stream_with_usage(client_with, path, bod
 
 def _has_text(choice: dict) -> bool:
     return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
+@pytest.mark.parametrize("asked", [None, True, False])
+@pytest.mark.parametrize("server_default", [False, True])
+def test_return_tokens_as_token_ids_defaults_to_the_server_s_setting(
+    client_with, asked, server_default
+):
+    client = client_with(return_tokens_as_token_ids=server_default)
+    as_ids = server_default if asked is None else asked
+    field = {} if asked is None else {"return_tokens_as_token_ids": asked}
+    body = {"prompt": "ab", "max_tokens": 1, "logprobs": 1, **field}
+    (token,) = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+    assert token == (f"token_id:{ord('a')}" if as_ids else "a")
+    body = {"messages": USER, "max_tokens": 1, "logprobs": True, **field}
+    (entry,) = client.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"][
+        "content"
+    ]
+    assert entry["token"] == (f"token_id:{ord('a')}" if as_ids else "a")
