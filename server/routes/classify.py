@@ -15,20 +15,25 @@ from pydantic import Field
 
 from pagedserve.engine.classifier import ClassifierHead, probabilities
 from pagedserve.server.errors import invalid_request
-from pagedserve.server.prompts import Prompt, check_model, completion_prompts
-from pagedserve.server.protocol import _Options
+from pagedserve.server.prompts import Prompt, check_model
 from pagedserve.server.request_fields import check_request_fields
-from pagedserve.server.routes.embeddings import EmbeddingOptions, embed_prompts, truncated_inputs
+from pagedserve.server.routes.embeddings import (
+    EmbeddingOptions,
+    PoolingInputs,
+    embed_prompts,
+    input_prompts,
+    truncated_inputs,
+)
 
 router = APIRouter()
 
 
-class ClassificationRequest(_Options):
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+class ClassificationRequest(PoolingInputs):
+    """`input`, or vLLM's chat-style `messages` (ClassificationChatRequest), as embeddings take
+    them."""
+
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
-    add_special_tokens: bool = True
     use_activation: bool | None = None  # vLLM 0.32's name; `activation` before
     activation: bool | None = None
     priority: int = 0
@@ -64,7 +69,7 @@ async def create_classification(body: ClassificationRequest, request: Request) -
     head = classifier_of(engine)
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
-    inputs = completion_prompts(body.input, engine, body.add_special_tokens, "input")
+    inputs = input_prompts(body, request)
     prompts = truncated_inputs(inputs, body.truncate_prompt_tokens, body.truncation_side, engine)
     options = EmbeddingOptions(lora, body.priority, body.cache_salt)
     states = await embed_prompts(request, pooled_prompts(prompts, head), options)

@@ -40,14 +40,20 @@ from pagedserve.server.request_fields import check_request_fields
 router = APIRouter()
 
 
-class EmbeddingRequest(_Options):
+class PoolingInputs(_Options):
+    """What a pooling request (embeddings, classification) runs: `input` as text or token ids, or
+    vLLM's chat-style `messages`, a conversation (or several) rendered by the chat template."""
+
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]] | None = None
-    # vLLM's chat-style requests: a conversation (or several) rendered by the chat template
     messages: list[ChatMessage] | list[list[ChatMessage]] | None = None
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None  # default: true for input, false for messages
+
+
+class EmbeddingRequest(PoolingInputs):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
@@ -62,7 +68,6 @@ class EmbeddingRequest(_Options):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
     padding: Literal["do_not_pad"] | None = None
-    add_special_tokens: bool | None = None  # default: true for input, false for messages
     priority: int = 0
     cache_salt: str | None = Field(None, max_length=1024)
 
@@ -78,7 +83,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
     prompts = truncated_inputs(
-        _prompts(body, request), body.truncate_prompt_tokens, body.truncation_side, engine
+        input_prompts(body, request), body.truncate_prompt_tokens, body.truncation_side, engine
     )
     options = EmbeddingOptions(lora, body.priority, body.cache_salt)
     vectors = await embed_prompts(request, prompts, options)
@@ -157,7 +162,7 @@ async def embed_prompts(
     return [vectors[index] for index in range(len(prompts))]
 
 
-def _prompts(body: EmbeddingRequest, request: Request) -> list[Prompt]:
+def input_prompts(body: PoolingInputs, request: Request) -> list[Prompt]:
     """The inputs as text or token ids, or each conversation as its chat template renders it."""
     engine = request.app.state.engine
     if (body.input is None) == (body.messages is None):

@@ -47,6 +47,23 @@ def reranker(tmp_path_factory, default_tokenizer) -> Iterator[tuple]:
     yield from _classifier_served(tmp_path_factory, default_tokenizer, "llama", 1)
 
 
+def test_classify_takes_vllm_s_chat_style_messages(sentiment, default_tokenizer):
+    # vLLM's ClassificationChatRequest: the conversation as the chat template renders it (no
+    # generation prompt, the template's own special tokens), classified as that text would be.
+    model, client = sentiment
+    messages = [{"role": "user", "content": "What a lovely day"}]
+    body = client.post("/classify", json={"messages": messages}).json()
+    rendered = default_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, tokenize=False
+    )
+    token_ids = default_tokenizer.encode(rendered, add_special_tokens=False)
+    (item,) = body["data"]
+    assert item["probs"] == pytest.approx(hf_probabilities(model, token_ids), abs=1e-5)
+    assert body["usage"]["prompt_tokens"] == len(token_ids)
+    both = client.post("/classify", json={"messages": messages, "input": "x"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "input"
+
+
 def test_classify_gives_hugging_face_s_probabilities(sentiment, default_tokenizer):
     model, client = sentiment
     body = client.post("/classify", json={"input": TEXTS}).json()
