@@ -132,7 +132,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         num_preemptions_before = self.num_preemptions
         self._fork_ready_children()
-        shared = self.num_running + self.num_waiting > 1  # alone, it starves nobody: no cap
+        shared = len(self.running) + len(self.waiting) > 1  # (n > 1 children wait on a parent)
         self._prefill_cap = self.config.long_prefill_token_threshold if shared else 0
         token_budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
         if self.num_preemptions == num_preemptions_before:  # no admission in a step that preempted

@@ -24,6 +24,7 @@ from pagedserve.engine.errors import EngineOverloadedError, InvalidRequestError
 from pagedserve.engine.structured_outputs.limits import (
     COMPILE_TIMEOUT_S,
     check_limits,
+    check_tag_limits,
     parsed_schema,
 )
 from pagedserve.engine.structured_outputs.schema_support import (
@@ -37,8 +38,9 @@ from pagedserve.engine.structured_outputs.spelling import (
     vocabulary_bytes,
 )
 from pagedserve.engine.structured_outputs.structural_tag import (
+    TagParts,
     compile_structural_tag,
-    embedded_constraints,
+    tag_parts,
 )
 
 logger = logging.getLogger(__name__)
@@ -137,8 +139,11 @@ class GrammarCompiler:
             return self._compiler
 
     def _compile(self, constraint: StructuredOutputs) -> xgrammar.CompiledGrammar:
-        for part in (constraint, *embedded_constraints(constraint)):  # a structural tag's too
+        parts = tag_parts(constraint)  # a structural tag's: held to the same checks
+        for part in (constraint, *parts.constraints):
             _check(part)
+        if constraint.kind == "structural_tag":
+            check_tag_limits(constraint, parts.constraints, parts.excludes)
         compiler = self._xgrammar_compiler()
         try:
             compiled = _compile_with(compiler, constraint)
@@ -149,20 +154,25 @@ class GrammarCompiler:
                 f"invalid {_describe(constraint)} in {constraint.param}: {message}",
                 constraint.param,
             ) from None
-        self._check_spellable(constraint, compiled)
+        self._check_spellable(constraint, compiled, parts)
         return compiled
 
     def _check_spellable(
-        self, constraint: StructuredOutputs, compiled: xgrammar.CompiledGrammar
+        self, constraint: StructuredOutputs, compiled: xgrammar.CompiledGrammar, parts: TagParts
     ) -> None:
         """Refuse a constraint this vocabulary cannot follow: one that requires a character no
-        token can spell (it would dead-end mid-output), or whose first step allows no token."""
+        token can spell (it would dead-end mid-output), or whose first step allows no token. A
+        structural tag's regexes and grammars are read as alone, and its text (begins, ends,
+        constant strings) must be spellable whole."""
         char = None
-        if constraint.kind in ("regex", "grammar"):
-            grammar = constraint.kind == "grammar"
-            char = unspellable_in_pattern(str(constraint.spec), self._spellable, grammar=grammar)
-        elif constraint.kind == "choice":
+        for part in (constraint, *parts.constraints):
+            if char is None and part.kind in ("regex", "grammar"):
+                grammar = part.kind == "grammar"
+                char = unspellable_in_pattern(str(part.spec), self._spellable, grammar=grammar)
+        if constraint.kind == "choice":
             char = unspellable_in_choices(constraint.spec, self._spellable)
+        for literal in parts.literals:
+            char = char or unspellable_in_choices((literal,), self._spellable)
         if char is not None:
             problem = f"requires {describe(char)}, which no token of this model's vocabulary spells"
         elif not _allows_a_first_token(compiled):

@@ -56,6 +56,13 @@ COMPILE_TIMEOUT_S = 30.0  # a request waits at most this long for its compile
 # xgrammar 0.2.9 keeps counts and repeats in 32-bit ints: `a{4294967296}` compiled as `a{0}`,
 # `"maxItems": 4294967297` as 1. Larger ones are refused (also in schema_support.invalid_keyword).
 MAX_COUNT = 2**31 - 1
+# A structural tag (structural_tag.py): its schemas, regexes and grammars each meet the limits
+# above, and its schemas together too (cost grows with their sum: a tag of 4 schemas at the
+# pattern limit took 7.9 s to compile, 4x one alone); at most this many parts, and this many
+# `excludes` strings of this much text (1,000 excludes: 9 s, 4,000: 39 s).
+MAX_TAG_PARTS = 64
+MAX_EXCLUDES = 64
+MAX_EXCLUDES_CHARS = 4096
 # Masks are filled on the engine thread, and the whole batch waits for them. A grammar that is
 # short and compiles fast can still make that cost grow with every token: xgrammar's Earley
 # parser over `s ::= s s s s | s s s | s s | [a-z ] | ""` took 30 ms, then 60, 150, 310, 660,
@@ -172,3 +179,26 @@ def _written_out(items: Any) -> int:
         else:
             total += 1
     return total
+
+
+def check_tag_limits(
+    constraint: StructuredOutputs, parts: list[StructuredOutputs], excludes: list[str]
+) -> None:
+    """A structural tag's limits as a whole (MAX_TAG_PARTS above); each part has been checked
+    with `check_limits` on its own."""
+    param = constraint.param
+    counts = [
+        (len(parts), MAX_TAG_PARTS, "schemas, regexes and grammars"),
+        (len(excludes), MAX_EXCLUDES, "excludes strings"),
+        (sum(map(len, excludes)), MAX_EXCLUDES_CHARS, "characters of excludes strings"),
+    ]
+    for value, limit, what in counts:
+        if value > limit:
+            raise InvalidRequestError(
+                f"the structural tag in {param} has {value:,} {what}; at most {limit:,} are "
+                "compiled (xgrammar's compile time grows with them): simplify it",
+                param,
+            )
+    schemas = [parsed_schema(part) for part in parts if part.kind == "json"]
+    if len(schemas) > 1:  # their sizes add up: checked as one schema of them all
+        check_limits(constraint, "structural tag's JSON schemas, together,", {"anyOf": schemas})

@@ -71,6 +71,20 @@ def test_fork_child_waits_for_the_parent_prompt_then_shares_its_blocks_with_copy
     assert child.output_token_ids != parent.output_token_ids  # different seeds: real sharing tested
 
 
+def test_children_waiting_on_their_parent_do_not_cap_its_prompt_chunks():
+    # --long-prefill-token-threshold caps a prompt while others share the step; n > 1 children
+    # cannot run before their parent's prompt, so they are no reason to slow it.
+    scheduler = make_scheduler(
+        num_blocks=64, block_size=4, max_num_batched_tokens=64, long_prefill_token_threshold=16
+    )
+    runner = FakeModelRunner(scheduler)
+    parent, child = add_parent_and_child(scheduler, 100)
+    plan = step(scheduler, runner)
+    assert [(s.sequence_id, s.num_new_tokens) for s in plan.requests] == [("p", 64)]
+    log = run_to_completion(scheduler, runner)
+    assert log.finished["p#1"].output_token_ids == expected_output_token_ids(child)
+
+
 @pytest.mark.parametrize("num_steps", [0, 1], ids=["parent_waiting", "parent_mid_prefill"])
 def test_fork_child_whose_parent_is_aborted_first_completes_on_its_own(num_steps):
     scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=4)
