@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -18,6 +19,7 @@ from pagedserve.configs.sampling import SamplingParams, SamplingParamsError
 from pagedserve.configs.speculative import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+ToolCallParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
 # The generation_config fields that are sampling defaults (vLLM's set): SamplingParams' names,
 # but for max_new_tokens, which is max_tokens (`sampling_name`).
 GENERATION_CONFIG_FIELDS = (
@@ -411,7 +413,7 @@ class ServerConfig(_Section):
     enable_auto_tool_choice: bool = Field(
         False, description="let the model decide to call tools (tool_choice auto; as vLLM)"
     )
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = Field(
+    tool_call_parser: ToolCallParserName | None = Field(
         None,
         description="how tool calls are read from free output (with auto tool choice; default: "
         "none, required with it)",
@@ -481,8 +483,9 @@ class ServerConfig(_Section):
     def _auto_tool_choice_needs_a_parser(self) -> ServerConfig:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(
-                "enable_auto_tool_choice needs tool_call_parser (hermes, llama3_json, mistral, "
-                "pythonic)"
+                "enable_auto_tool_choice needs tool_call_parser ("
+                + ", ".join(typing.get_args(ToolCallParserName))
+                + ")"
             )
         return self
 

@@ -74,7 +74,7 @@ class ToolPlan:
         if self.mode in ("required", "named"):
             return ForcedCallsParser(self.named)
         if self.mode == "auto" and self.parser_name is not None:
-            return PARSERS[self.parser_name]()
+            return PARSERS[self.parser_name](self.tools)
         return None
 
 

@@ -16,6 +16,7 @@ from pagedserve.server.tool_parsers import (
     MistralParser,
     ParsedCall,
     PythonicParser,
+    Qwen3CoderParser,
 )
 from pagedserve.server.tool_parsers.mistral import parse_calls as parse_mistral_calls
 
@@ -319,3 +320,106 @@ def test_mistral_parser_streams_the_text_before_the_tag():
     assert parser.feed("_CALLS]add[ARGS]") == ("", [])
     assert parser.feed('{"a": 1, "b": 2}') == ("", [])
     assert parser.finish() == ("", [CallDelta(0, ADD.name, ADD.arguments)])
+
+
+# ---- Qwen3-Coder's XML calls -------------------------------------------------------------------
+
+QWEN_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "metric": {"type": "boolean"},
+                    "ratio": {"type": "number"},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                    "code": {"type": "string"},
+                },
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
+]
+
+
+def _qwen(name: str, **parameters: str) -> str:
+    body = "".join(
+        f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters.items()
+    )
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+QWEN_CASES = [
+    (_qwen("get_weather", city="Paris"), "", [WEATHER]),
+    (
+        "Let me check.\n" + _qwen("get_weather", city="Paris") + "\n" + _qwen("add", a="1", b="2"),
+        "Let me check.\n",
+        [WEATHER, ADD],
+    ),
+    # <tool_call> may be left out, as vLLM's parser allows
+    (
+        "<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>",
+        "",
+        [ADD],
+    ),
+    ("no calls: <func and <tool, < alone", "no calls: <func and <tool, < alone", []),
+    (
+        "<tool_call>\n<function=add>\nstray text\n</function>\n</tool_call>",
+        "<tool_call>\n<function=add>\nstray text\n</function>\n</tool_call>",
+        [],
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), QWEN_CASES)
+def test_qwen3_coder_parser_reads_calls_and_content_in_every_chunk_split(text, content, calls):
+    assert _run(Qwen3CoderParser(QWEN_TOOLS), [text]) == (content, calls)
+    for size in (1, 2, 3, 7):
+        assert _run(Qwen3CoderParser(QWEN_TOOLS), chunked(text, size)) == (content, calls), size
+
+
+def test_qwen3_coder_values_are_read_as_their_schema_types_say():
+    text = _qwen(
+        "get_weather",
+        city="3",  # a string stays a string, though it looks like a number
+        days="12345678901234567890",  # exactly, however long
+        metric="True",
+        ratio="2.0",
+        tags='["a", "b"]',
+        code="null",
+    )
+    (call,) = _run(Qwen3CoderParser(QWEN_TOOLS), [text])[1]
+    assert json.loads(call.arguments) == {
+        "city": "3",
+        "days": 12345678901234567890,
+        "metric": True,
+        "ratio": 2,
+        "tags": ["a", "b"],
+        "code": None,
+    }
+    # Untyped parameters: JSON, else a Python literal, else the text; bad numbers stay text.
+    untyped = _qwen("add", a="{'x': 1}", b="[1, 2]", c="plain words", d="1e999")
+    (call,) = _run(Qwen3CoderParser(QWEN_TOOLS), [untyped])[1]
+    assert json.loads(call.arguments) == {
+        "a": {"x": 1},
+        "b": [1, 2],
+        "c": "plain words",
+        "d": "1e999",
+    }
+    odd = _qwen("get_weather", days="3.5", ratio="nan", metric="maybe")
+    (call,) = _run(Qwen3CoderParser(QWEN_TOOLS), [odd])[1]
+    assert json.loads(call.arguments) == {"days": "3.5", "ratio": "nan", "metric": "maybe"}
+
+
+def test_qwen3_coder_parser_streams_text_then_each_call_as_it_closes():
+    parser = Qwen3CoderParser(QWEN_TOOLS)
+    assert parser.feed("Sure <func") == ("Sure ", [])
+    assert parser.feed("tion=add>\n<parameter=a>\n1\n</parameter>\n") == ("", [])
+    assert parser.feed("<parameter=b>\n2\n</parameter>\n</function>") == ("", [])
+    assert parser.feed("\n<function=get_weather>") == ("", [CallDelta(0, ADD.name, ADD.arguments)])
+    assert parser.feed("<parameter=city>Paris</parameter></function>") == ("", [])
+    assert parser.finish() == ("", [CallDelta(1, WEATHER.name, WEATHER.arguments)])

@@ -297,6 +297,46 @@ def test_auto_with_the_pythonic_parser_returns_openai_tool_calls(client_with, en
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_auto_with_the_qwen3_coder_parser_reads_values_as_the_tool_s_types(
+    client_with, engine, stream
+):
+    client = client_with(enable_auto_tool_choice=True, tool_call_parser="qwen3_coder")
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "forecast",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    }
+    engine.script = (
+        "On it.\n<tool_call>\n<function=forecast>\n<parameter=city>\n42\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    response = _chat(client, tools=[tool], max_tokens=len(engine.script) + 1, stream=stream)
+    if stream:
+        chunks = sse_json(response.text)
+        arguments = "".join(
+            call["function"].get("arguments", "")
+            for chunk in chunks
+            for choice in chunk["choices"]
+            for call in choice["delta"].get("tool_calls") or []
+        )
+        content = "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+        )
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+    else:
+        [choice] = response.json()["choices"]
+        arguments = choice["message"]["tool_calls"][0]["function"]["arguments"]
+        content, finish = choice["message"]["content"], choice["finish_reason"]
+    assert json.loads(arguments) == {"city": "42", "days": 3}  # the string stays a string
+    assert content.strip() == "On it." and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_call_spelling_a_lone_surrogate_comes_back_as_text_not_a_500(client_with, engine, stream):
     client = client_with(enable_auto_tool_choice=True, tool_call_parser="hermes")
     engine.script = '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>'
