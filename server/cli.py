@@ -129,8 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer a JSONL file of requests in OpenAI's batch format offline (vLLM's run-batch)",
         description="Other flags are `serve` flags (the model, the engine, parsers, templates).",
     )
-    run_batch.add_argument("-i", "--input-file", required=True, help="the requests (JSONL)")
-    run_batch.add_argument("-o", "--output-file", required=True, help="the answers (JSONL)")
+    run_batch.add_argument(
+        "-i", "--input-file", required=True, help="the requests (JSONL; a path or an http(s) URL)"
+    )
+    run_batch.add_argument(
+        "-o",
+        "--output-file",
+        required=True,
+        help="the answers (JSONL; a path, or an http(s) URL the file is PUT to at the end)",
+    )
     _add_config_flags(run_batch, list(SECTIONS))
     _add_vllm_log_flags(run_batch)
 
@@ -299,17 +306,28 @@ def _checked_batch(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     """The input file's requests, read before the model loads (a bad line: one error line)."""
     from pathlib import Path
 
-    from pagedserve.server.run_batch import BatchInputError, read_batch
+    from pagedserve.server.run_batch import BatchInputError, is_url, read_batch
 
     output = Path(args.output_file).resolve()
-    if output.is_dir():
+    if is_url(args.output_file):
+        pass  # uploaded at the end (a PUT): nothing to check before
+    elif output.is_dir():
         parser.error(f"the output file is a folder: {args.output_file}")
-    if not output.parent.is_dir() or not os.access(output.parent, os.W_OK):
+    elif not output.parent.is_dir() or not os.access(output.parent, os.W_OK):
         parser.error(f"the output file's folder does not exist or is not writable: {output.parent}")
     try:
         return read_batch(args.input_file)
     except BatchInputError as exc:
         parser.error(str(exc))
+
+
+def _input_bytes(path: str, batch: list[Any]) -> int:
+    """The input file's size (a downloaded one's: its lines' JSON)."""
+    from pagedserve.server.run_batch import is_url
+
+    if is_url(path):
+        return sum(len(request.model_dump_json()) for request in batch)
+    return os.path.getsize(path)
 
 
 def _run_batch(args: argparse.Namespace, config: EngineConfig, batch: list[Any]) -> None:
@@ -325,7 +343,7 @@ def _run_batch(args: argparse.Namespace, config: EngineConfig, batch: list[Any])
     )
     # The file is the user's own: any line may be as long as the file (the server's body limit
     # guards a public endpoint).
-    body_limit = max(config.server.max_request_body_bytes, os.path.getsize(args.input_file) + 1)
+    body_limit = max(config.server.max_request_body_bytes, _input_bytes(args.input_file, batch) + 1)
     log_requests = config.server.log_requests if "log_requests" in vars(args) else not quiet
     server = config.server.model_copy(
         update={"max_request_body_bytes": body_limit, "log_requests": log_requests}

@@ -12,6 +12,10 @@ malformed line or a repeated `custom_id` stops the run with the line's number an
 Requests run concurrently, as many as the server admits at once (`--max-waiting-requests`; a
 429 is retried), answers are written in input order as they complete into a temporary file
 renamed over the output at the end, and progress is logged every `PROGRESS_EVERY_S` seconds.
+
+Either file may be an http(s) URL, as in vLLM: the input is downloaded (GET) before the model
+loads, and the output, once every line is answered, uploaded with a PUT (e.g. to a presigned
+object-store URL), tried `UPLOAD_TRIES` times; a failed upload stops the run with the error.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ SUPPORTED_URLS = (
     *("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"),
 )
 PROGRESS_EVERY_S = 10.0
+URL_TIMEOUT_S = 300.0  # a download or an upload
+UPLOAD_TRIES = 3
 RETRY_AFTER_S = 0.2  # a 429: the server's in-flight cap is full; another line will finish soon
 RETRY_FOR_S = 600.0  # then the line gets its 429
 
@@ -96,8 +102,8 @@ def read_batch(path: str) -> list[BatchRequestInput]:
     requests, seen = [], set()
     try:
         # "\n" only: JSON text may hold U+2028 and others that str.splitlines() also splits at
-        lines = Path(path).read_text(encoding="utf-8").split("\n")
-    except (OSError, UnicodeDecodeError) as exc:
+        lines = _read_text(path).split("\n")
+    except (OSError, UnicodeDecodeError, httpx.HTTPError) as exc:
         raise BatchInputError(f"cannot read {path}: {exc}") from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -113,6 +119,33 @@ def read_batch(path: str) -> list[BatchRequestInput]:
         seen.add(request.custom_id)
         requests.append(request)
     return requests
+
+
+def is_url(path: str) -> bool:
+    return path.startswith(("http://", "https://"))
+
+
+def _read_text(path: str) -> str:
+    if not is_url(path):
+        return Path(path).read_text(encoding="utf-8")
+    response = httpx.get(path, follow_redirects=True, timeout=URL_TIMEOUT_S)
+    response.raise_for_status()
+    return response.content.decode("utf-8")
+
+
+def upload(path: Path, url: str) -> None:
+    """PUT the file's bytes to `url`, `UPLOAD_TRIES` times at most; raises the last error."""
+    data = path.read_bytes()
+    for attempt in range(1, UPLOAD_TRIES + 1):
+        try:
+            response = httpx.put(url, content=data, timeout=URL_TIMEOUT_S)
+            response.raise_for_status()
+            return
+        except httpx.HTTPError as error:
+            if attempt == UPLOAD_TRIES:
+                raise
+            logger.warning("run-batch: upload to %s failed (%s); trying again", url, error)
+            time.sleep(attempt)
 
 
 def _output_line(
@@ -198,8 +231,14 @@ def _refusal(request: BatchRequestInput) -> tuple[str, str] | None:
 async def run_batch(
     app: FastAPI, requests: list[BatchRequestInput], output_path: str, api_key: str | None
 ) -> int:
-    """Answer every request through `app` and write the output file; returns the number of
-    requests that did not get a 200."""
+    """Answer every request through `app` and write the output file (or upload it, to a URL);
+    returns the number of requests that did not get a 200."""
+    if is_url(output_path):
+        with tempfile.TemporaryDirectory() as folder:
+            written = Path(folder) / "output.jsonl"
+            failed = await run_batch(app, requests, str(written), api_key)
+            await asyncio.to_thread(upload, written, output_path)
+            return failed
     target = Path(os.path.realpath(output_path))  # a symlink's target is what gets replaced
     mode = _output_mode(target)
     handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)

@@ -6,14 +6,17 @@ run fails. The real model answers a file in tests/server/test_e2e_run_batch.py."
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import logging
+import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pagedserve.server.app import create_app
-from pagedserve.server.cli import main
+from pagedserve.server.cli import _input_bytes, main
 from pagedserve.server.run_batch import BatchInputError, read_batch, run_batch
 from tests.server.conftest import FakeEngine, make_config
 
@@ -197,3 +200,77 @@ def test_an_output_that_is_a_folder_is_refused_before_loading(tmp_path, capsys, 
     with pytest.raises(SystemExit) as exit_info:
         main(["run-batch", "-i", str(source), "-o", str(tmp_path)])
     assert exit_info.value.code == 2 and "is a folder" in capsys.readouterr().err
+
+
+class _ObjectStore(http.server.BaseHTTPRequestHandler):
+    """GET serves `files`, PUT stores the body under the path (`failures` PUTs answer 500 first)."""
+
+    files: dict[str, bytes] = {}
+    failures = 0
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = self.files.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        data = self.rfile.read(int(self.headers["Content-Length"]))
+        if _ObjectStore.failures:
+            _ObjectStore.failures -= 1
+            self.send_response(500)
+        else:
+            self.files[self.path] = data
+            self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def object_store():
+    _ObjectStore.files, _ObjectStore.failures = {}, 0
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ObjectStore)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_input_and_output_may_be_urls_as_in_vllm(object_store, engine, monkeypatch):
+    monkeypatch.setattr("pagedserve.server.run_batch.time.sleep", lambda seconds: None)
+    lines = [
+        _line("a", "/v1/chat/completions", CHAT),
+        _line("b", "/v1/completions", {"prompt": "x"}),
+    ]
+    _ObjectStore.files["/in.jsonl"] = ("\n".join(lines) + "\n").encode()
+    _ObjectStore.failures = 2  # the upload is tried again
+    requests = read_batch(f"{object_store}/in.jsonl")
+    app = create_app(make_config(), engine)
+    assert asyncio.run(run_batch(app, requests, f"{object_store}/out.jsonl", None)) == 0
+    answers = [json.loads(line) for line in _ObjectStore.files["/out.jsonl"].decode().splitlines()]
+    assert [answer["custom_id"] for answer in answers] == ["a", "b"]
+    with pytest.raises(BatchInputError, match="cannot read .*/missing.jsonl: .*404"):
+        read_batch(f"{object_store}/missing.jsonl")
+    _ObjectStore.failures = 3  # every try fails: the run fails with the error
+    with pytest.raises(httpx.HTTPStatusError):
+        asyncio.run(run_batch(app, requests, f"{object_store}/out2.jsonl", None))
+    assert "/out2.jsonl" not in _ObjectStore.files
+
+
+def test_the_command_downloads_a_url_input_before_loading_the_model(object_store, monkeypatch):
+    ran = []
+    monkeypatch.setattr(
+        "pagedserve.server.cli._run_batch", lambda args, config, batch: ran.append((args, batch))
+    )
+    _ObjectStore.files["/in.jsonl"] = (
+        _line("a", "/v1/completions", {"prompt": "x"}) + "\n"
+    ).encode()
+    main(["run-batch", "-i", f"{object_store}/in.jsonl", "-o", f"{object_store}/out.jsonl"])
+    [(args, batch)] = ran
+    assert [request.custom_id for request in batch] == ["a"]
+    assert _input_bytes(args.input_file, batch) == len(batch[0].model_dump_json())
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run-batch", "-i", f"{object_store}/nothing.jsonl", "-o", "/tmp/x.jsonl"])
+    assert exit_info.value.code == 2
