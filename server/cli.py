@@ -306,11 +306,16 @@ def _checked_batch(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     """The input file's requests, read before the model loads (a bad line: one error line)."""
     from pathlib import Path
 
+    import httpx
+
     from pagedserve.server.run_batch import BatchInputError, is_url, read_batch
 
     output = Path(args.output_file).resolve()
-    if is_url(args.output_file):
-        pass  # uploaded at the end (a PUT): nothing to check before
+    if is_url(args.output_file):  # uploaded at the end (a PUT): a malformed URL fails now
+        try:
+            httpx.URL(args.output_file)
+        except httpx.InvalidURL as exc:
+            parser.error(f"the output URL is not valid: {exc}")
     elif output.is_dir():
         parser.error(f"the output file is a folder: {args.output_file}")
     elif not output.parent.is_dir() or not os.access(output.parent, os.W_OK):
@@ -321,13 +326,11 @@ def _checked_batch(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error(str(exc))
 
 
-def _input_bytes(path: str, batch: list[Any]) -> int:
-    """The input file's size (a downloaded one's: its lines' JSON)."""
-    from pagedserve.server.run_batch import is_url
+def _largest_body(batch: list[Any]) -> int:
+    """The longest request body of the batch, as it is sent."""
+    from pagedserve.server.run_batch import encoded_body
 
-    if is_url(path):
-        return sum(len(request.model_dump_json()) for request in batch)
-    return os.path.getsize(path)
+    return max((len(encoded_body(request)) for request in batch), default=0)
 
 
 def _run_batch(args: argparse.Namespace, config: EngineConfig, batch: list[Any]) -> None:
@@ -341,9 +344,9 @@ def _run_batch(args: argparse.Namespace, config: EngineConfig, batch: list[Any])
     logging.getLogger(__name__).info(
         "run-batch: %d requests from %s to %s", len(batch), args.input_file, args.output_file
     )
-    # The file is the user's own: any line may be as long as the file (the server's body limit
+    # The file is the user's own: any line may be as long as it is (the server's body limit
     # guards a public endpoint).
-    body_limit = max(config.server.max_request_body_bytes, _input_bytes(args.input_file, batch) + 1)
+    body_limit = max(config.server.max_request_body_bytes, _largest_body(batch))
     log_requests = config.server.log_requests if "log_requests" in vars(args) else not quiet
     server = config.server.model_copy(
         update={"max_request_body_bytes": body_limit, "log_requests": log_requests}

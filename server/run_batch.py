@@ -15,7 +15,9 @@ renamed over the output at the end, and progress is logged every `PROGRESS_EVERY
 
 Either file may be an http(s) URL, as in vLLM: the input is downloaded (GET) before the model
 loads, and the output, once every line is answered, uploaded with a PUT (e.g. to a presigned
-object-store URL), tried `UPLOAD_TRIES` times; a failed upload stops the run with the error.
+object-store URL; redirects followed), tried `UPLOAD_TRIES` times where the failure may pass (a
+connection error, a 5xx, 408 or 429); when it does not, the run stops with the error and the
+answers stay in a local file whose path the error names.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -52,6 +55,7 @@ SUPPORTED_URLS = (
 PROGRESS_EVERY_S = 10.0
 URL_TIMEOUT_S = 300.0  # a download or an upload
 UPLOAD_TRIES = 3
+UPLOAD_RETRY_S = 1.0  # the wait before the second try; twice that before the third
 RETRY_AFTER_S = 0.2  # a 429: the server's in-flight cap is full; another line will finish soon
 RETRY_FOR_S = 600.0  # then the line gets its 429
 
@@ -103,7 +107,7 @@ def read_batch(path: str) -> list[BatchRequestInput]:
     try:
         # "\n" only: JSON text may hold U+2028 and others that str.splitlines() also splits at
         lines = _read_text(path).split("\n")
-    except (OSError, UnicodeDecodeError, httpx.HTTPError) as exc:
+    except (OSError, UnicodeDecodeError, httpx.HTTPError, httpx.InvalidURL) as exc:
         raise BatchInputError(f"cannot read {path}: {exc}") from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -121,6 +125,12 @@ def read_batch(path: str) -> list[BatchRequestInput]:
     return requests
 
 
+def encoded_body(request: BatchRequestInput) -> bytes:
+    """The bytes a line's body is sent as: as the line had it (NaN and Infinity reach the server,
+    which answers them with a 400)."""
+    return json.dumps(request.body, ensure_ascii=False).encode()
+
+
 def is_url(path: str) -> bool:
     return path.startswith(("http://", "https://"))
 
@@ -130,22 +140,32 @@ def _read_text(path: str) -> str:
         return Path(path).read_text(encoding="utf-8")
     response = httpx.get(path, follow_redirects=True, timeout=URL_TIMEOUT_S)
     response.raise_for_status()
-    return response.content.decode("utf-8")
+    return response.text  # the charset the server names, UTF-8 by default (as vLLM's read)
 
 
-def upload(path: Path, url: str) -> None:
-    """PUT the file's bytes to `url`, `UPLOAD_TRIES` times at most; raises the last error."""
+class UploadError(RuntimeError):
+    """The answers could not be uploaded; they are in `kept` (a local file)."""
+
+
+async def upload(path: Path, url: str) -> None:
+    """PUT the file's bytes to `url` (module docstring); raises UploadError, the file kept."""
     data = path.read_bytes()
-    for attempt in range(1, UPLOAD_TRIES + 1):
-        try:
-            response = httpx.put(url, content=data, timeout=URL_TIMEOUT_S)
-            response.raise_for_status()
-            return
-        except httpx.HTTPError as error:
-            if attempt == UPLOAD_TRIES:
-                raise
-            logger.warning("run-batch: upload to %s failed (%s); trying again", url, error)
-            time.sleep(attempt)
+    async with httpx.AsyncClient(follow_redirects=True, timeout=URL_TIMEOUT_S) as client:
+        for attempt in range(1, UPLOAD_TRIES + 1):
+            try:
+                response = await client.put(url, content=data)
+                response.raise_for_status()
+                return
+            except httpx.HTTPError as error:
+                status = getattr(getattr(error, "response", None), "status_code", None)
+                passing = status is None or status >= 500 or status in (408, 429)
+                reason = (str(error).splitlines() or [type(error).__name__])[0]
+                if attempt == UPLOAD_TRIES or not passing:
+                    raise UploadError(
+                        f"cannot upload the answers to {url} ({reason}); they are in {path}"
+                    ) from None
+                logger.warning("run-batch: upload to %s failed (%s); trying again", url, reason)
+                await asyncio.sleep(attempt * UPLOAD_RETRY_S)
 
 
 def _output_line(
@@ -195,8 +215,7 @@ class _Batch:
         refusal = _refusal(request)
         if refusal is not None:  # in the server's error shape, as every refused line's
             return 400, uuid.uuid4().hex, invalid_request(*refusal).body()
-        # As the line had it: NaN and Infinity reach the server, which answers them with a 400.
-        content = json.dumps(request.body, ensure_ascii=False).encode()
+        content = encoded_body(request)
         give_up = time.monotonic() + RETRY_FOR_S
         while True:
             response = await self.client.post(request.url, content=content, headers=self.headers)
@@ -233,12 +252,12 @@ async def run_batch(
 ) -> int:
     """Answer every request through `app` and write the output file (or upload it, to a URL);
     returns the number of requests that did not get a 200."""
-    if is_url(output_path):
-        with tempfile.TemporaryDirectory() as folder:
-            written = Path(folder) / "output.jsonl"
-            failed = await run_batch(app, requests, str(written), api_key)
-            await asyncio.to_thread(upload, written, output_path)
-            return failed
+    if is_url(output_path):  # answered into a local file first, uploaded at the end
+        written = Path(tempfile.mkdtemp(prefix="pagedserve-run-batch-")) / "output.jsonl"
+        failed = await run_batch(app, requests, str(written), api_key)
+        await upload(written, output_path)  # kept where it is if that fails (the error says)
+        shutil.rmtree(written.parent)
+        return failed
     target = Path(os.path.realpath(output_path))  # a symlink's target is what gets replaced
     mode = _output_mode(target)
     handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)

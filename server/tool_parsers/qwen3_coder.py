@@ -8,14 +8,20 @@
     </function>
     </tool_call>
 
-any number, after optional text (`<tool_call>` may be left out, as vLLM allows). A parameter's
-value is raw text (one newline either side is the layout): it is read as its type in the tool's
-JSON schema says, as vLLM's parser reads it, so `{"days": 3}` comes back a number and a string
-stays a string even when it looks like one: "null" is null; string types as written; integers
-and numbers as numbers where they parse (`3.0` is 3); booleans from true/false; objects and
-arrays as JSON, else Python literals; a parameter the schema does not type, JSON or a Python
-literal where it is one, else the text. A block that does not read as a call stays in the
-content, as the model wrote it.
+any number, after optional text (`<tool_call>` may be left out, and a last `</parameter>` or
+`</function>` the reply ends without is implied, as vLLM allows). A parameter's value is raw text
+(one newline either side is the layout): it is read as its type in the tool's JSON schema says,
+as vLLM's and SGLang's parsers read it, so `{"days": 3}` comes back a number and a string stays a
+string even when it looks like one: "null" is null; string types as written; integers and numbers
+as numbers where they parse (`3.0` is 3); booleans from true/false; objects and arrays as JSON,
+else Python literals. The type comes from `type` (a list: string if it allows one, else its first
+other than null), else `enum` or `const` values, else `anyOf`/`oneOf` (string if one allows it);
+a parameter the schema does not type, or does not declare, is text. A block that does not read as
+a call stays in the content, as the model wrote it.
+
+No pattern here scans past the next opener of its kind (`<function=`, `<parameter=`), so text
+that mentions a tag does not swallow the call after it, and unclosed tags cost linear time, not
+quadratic (the reply is model output: a prompt can steer it).
 """
 
 from __future__ import annotations
@@ -31,9 +37,13 @@ from pagedserve.server.tool_parsers.base import CallDelta, ParsedCall, held_back
 
 OPENERS = ("<tool_call>", "<function=")
 _CALL = re.compile(
-    r"(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>(?:\s*</tool_call>)?", re.DOTALL
+    r"(?:<tool_call>\s*)?<function=([^<>\n]+)>((?:(?!<function=|</function>).)*)"
+    r"(?:</function>|\Z)(?:\s*</tool_call>)?",
+    re.DOTALL,
 )
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_PARAMETER = re.compile(
+    r"<parameter=([^<>\n]+)>((?:(?!<parameter=|</parameter>).)*)(?:</parameter>)?", re.DOTALL
+)
 _STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
 _CONTAINER_TYPES = ("object", "array", "dict", "list")
 
@@ -74,7 +84,7 @@ class Qwen3CoderParser:
     def _closed_calls(self, final: bool) -> list[CallDelta]:
         """The calls closed so far, taken out of the pending text; with `final`, all of it."""
         text = self._pending
-        if not final:
+        if not final:  # only whole functions: one cut short is read at the end
             end = text.rfind("</function>")
             if end < 0:
                 return []
@@ -129,10 +139,42 @@ def _parameter_types(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         parameters = function.get("parameters")
         properties = parameters.get("properties") if isinstance(parameters, dict) else None
         types[function["name"]] = {
-            key: schema.get("type") if isinstance(schema, dict) else None
+            key: schema_type(schema)
             for key, schema in (properties if isinstance(properties, dict) else {}).items()
         }
     return types
+
+
+def schema_type(schema: Any, depth: int = 0) -> str | None:
+    """The type a parameter's schema gives its value (module docstring), or None."""
+    if not isinstance(schema, dict) or depth > 8:
+        return None
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        return declared
+    if isinstance(declared, list):
+        named = [t for t in declared if isinstance(t, str) and t != "null"]
+        return "string" if "string" in named else (named[0] if named else None)
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else None
+    values = values or ([schema["const"]] if "const" in schema else None)
+    if values:
+        kinds = {_value_type(value) for value in values if value is not None}
+        return "string" if "string" in kinds or len(kinds) != 1 else kinds.pop()
+    alternatives = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(alternatives, list):
+        kinds = {schema_type(item, depth + 1) for item in alternatives} - {None, "null"}
+        return "string" if "string" in kinds or len(kinds) != 1 else kinds.pop()
+    return None
+
+
+def _value_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return "array" if isinstance(value, list) else "object" if isinstance(value, dict) else "string"
 
 
 def read_value(text: str, schema_type: Any) -> Any:
@@ -147,9 +189,9 @@ def read_value(text: str, schema_type: Any) -> Any:
     if kind in ("boolean", "bool"):
         word = text.strip().lower()
         return word == "true" if word in ("true", "false") else text
-    if kind in _CONTAINER_TYPES or kind is None:  # untyped: a list of types, or none at all
+    if kind in _CONTAINER_TYPES:
         return _literal(text)
-    return text
+    return text  # untyped, or undeclared: as the model wrote it
 
 
 def _number(text: str, integer: bool) -> Any:

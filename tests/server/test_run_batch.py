@@ -12,12 +12,17 @@ import logging
 import threading
 from pathlib import Path
 
-import httpx
 import pytest
 
 from pagedserve.server.app import create_app
-from pagedserve.server.cli import _input_bytes, main
-from pagedserve.server.run_batch import BatchInputError, read_batch, run_batch
+from pagedserve.server.cli import _largest_body, main
+from pagedserve.server.run_batch import (
+    BatchInputError,
+    BatchRequestInput,
+    UploadError,
+    read_batch,
+    run_batch,
+)
 from tests.server.conftest import FakeEngine, make_config
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -239,7 +244,7 @@ def object_store():
 
 
 def test_input_and_output_may_be_urls_as_in_vllm(object_store, engine, monkeypatch):
-    monkeypatch.setattr("pagedserve.server.run_batch.time.sleep", lambda seconds: None)
+    monkeypatch.setattr("pagedserve.server.run_batch.UPLOAD_RETRY_S", 0.0)
     lines = [
         _line("a", "/v1/chat/completions", CHAT),
         _line("b", "/v1/completions", {"prompt": "x"}),
@@ -253,10 +258,12 @@ def test_input_and_output_may_be_urls_as_in_vllm(object_store, engine, monkeypat
     assert [answer["custom_id"] for answer in answers] == ["a", "b"]
     with pytest.raises(BatchInputError, match="cannot read .*/missing.jsonl: .*404"):
         read_batch(f"{object_store}/missing.jsonl")
-    _ObjectStore.failures = 3  # every try fails: the run fails with the error
-    with pytest.raises(httpx.HTTPStatusError):
+    _ObjectStore.failures = 3  # every try fails: the run fails, the answers kept locally
+    with pytest.raises(UploadError, match="cannot upload the answers to .*; they are in ") as error:
         asyncio.run(run_batch(app, requests, f"{object_store}/out2.jsonl", None))
     assert "/out2.jsonl" not in _ObjectStore.files
+    kept = Path(str(error.value).rsplit("they are in ", 1)[1])
+    assert [json.loads(line)["custom_id"] for line in kept.read_text().splitlines()] == ["a", "b"]
 
 
 def test_the_command_downloads_a_url_input_before_loading_the_model(object_store, monkeypatch):
@@ -270,7 +277,20 @@ def test_the_command_downloads_a_url_input_before_loading_the_model(object_store
     main(["run-batch", "-i", f"{object_store}/in.jsonl", "-o", f"{object_store}/out.jsonl"])
     [(args, batch)] = ran
     assert [request.custom_id for request in batch] == ["a"]
-    assert _input_bytes(args.input_file, batch) == len(batch[0].model_dump_json())
-    with pytest.raises(SystemExit) as exit_info:
-        main(["run-batch", "-i", f"{object_store}/nothing.jsonl", "-o", "/tmp/x.jsonl"])
-    assert exit_info.value.code == 2
+    for source, output in (
+        (f"{object_store}/nothing.jsonl", "/tmp/x.jsonl"),  # a 404
+        ("http://[::1/in.jsonl", "/tmp/x.jsonl"),  # not a URL
+        (f"{object_store}/in.jsonl", "http://[::1/out.jsonl"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["run-batch", "-i", source, "-o", output])
+        assert exit_info.value.code == 2
+
+
+def test_the_body_limit_fits_the_largest_line_as_it_is_sent():
+    # Non-ASCII text is sent as UTF-8 (3 bytes a character here), with ", " separators.
+    batch = [
+        BatchRequestInput.model_validate_json(_line("a", "/v1/completions", {"prompt": "天" * 10})),
+        BatchRequestInput.model_validate_json(_line("b", "/v1/completions", {"prompt": [1, 2]})),
+    ]
+    assert _largest_body(batch) == len('{"prompt": "' + "天" * 10 + '"}') + 20
