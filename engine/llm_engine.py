@@ -85,7 +85,7 @@ class LLMEngine:
         self.validator = RequestValidator.for_engine(
             config, self.vocab_size, self.max_model_len, self.eos_token_ids, self.scheduler
         )
-        self.num_steps = self.num_prefilled_tokens = 0
+        self.num_steps = 0
         self.last_plan: SchedulerOutput | None = None  # the last non-empty step's, for its state
         self.step_token_counts: deque[int] = deque(maxlen=100_000)
 
@@ -187,7 +187,6 @@ class LLMEngine:
         self.num_steps += 1
         self.last_plan = plan
         self.step_token_counts.append(plan.num_batched_tokens)
-        self.num_prefilled_tokens += plan.num_prefill_tokens
 
     def _forward(
         self, plan: SchedulerOutput, rows: list[SamplingRow], drafts: list[list[int]]
@@ -253,7 +252,7 @@ class LLMEngine:
             kv_cache_usage=pool.usage,
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.outputs.num_prompt_tokens,
-            num_prefilled_tokens=self.num_prefilled_tokens,
+            num_prefilled_tokens=self.scheduler.num_prefilled_tokens,
             num_generation_tokens=self.outputs.num_generation_tokens,
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,

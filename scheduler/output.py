@@ -26,7 +26,6 @@ class ScheduledRequest:
     # yields the logprob of prompt token start_position + i + 1.
     prompt_logprob_rows: range = range(0)
     lora: int = 0  # the LoRA adapter load its tokens run (engine/lora.py); 0: the base model
-    num_prefill_tokens: int = 0  # how many of token_ids are prompt positions (prefill computed)
 
     @property
     def slot_mapping(self) -> list[int]:
@@ -59,7 +58,6 @@ class ScheduledRequest:
             draft_token_ids=drafts,
             prompt_logprob_rows=request.prompt_logprob_rows(start, end),
             lora=request.lora,
-            num_prefill_tokens=max(0, min(end, request.num_prompt_tokens) - start),
         )
 
     @property
@@ -77,11 +75,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        """Prompt tokens computed this step (prefix-cache hits are not computed)."""
-        return sum(scheduled.num_prefill_tokens for scheduled in self.requests)
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,6 +115,11 @@ class Request:
             return None
         return max(self.num_prompt_logprob_tokens - 1, 0)
 
+    def num_prompt_positions(self, num_new_tokens: int) -> int:
+        """How many of the next `num_new_tokens` positions to compute are the prompt's."""
+        start = self.num_computed_tokens
+        return max(0, min(start + num_new_tokens, self.num_prompt_tokens) - start)
+
     def prompt_logprob_rows(self, start: int, end: int) -> range:
         """Rows of a step computing positions [start, end) that score prompt tokens still unsent.
 

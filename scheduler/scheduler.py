@@ -56,10 +56,9 @@ class Scheduler:
         self.running: list[Request] = []  # kept sorted by _order_key: most important first
         self.fork_waiting: list[Request] = []  # n > 1 children waiting for their parent's prompt
         self.num_preemptions = 0
-        # Prompt tokens sought / hit in the prefix cache per request, not per retry or readmission.
-        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        # Prompt tokens sought / hit in the prefix cache (once a request), and computed (each time)
+        self.prefix_cache_queries = self.prefix_cache_hits = self.num_prefilled_tokens = 0
         self.speculator = Speculator(config.speculative_config, block_manager, max_model_len)
-        self._prefill_cap = 0  # this step's cap on a prompt chunk (0: none; schedule())
 
     # ---- admission and removal -------------------------------------------------------------
 
@@ -132,8 +131,6 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         num_preemptions_before = self.num_preemptions
         self._fork_ready_children()
-        shared = len(self.running) + len(self.waiting) > 1  # (n > 1 children wait on a parent)
-        self._prefill_cap = self.config.long_prefill_token_threshold if shared else 0
         token_budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
         if self.num_preemptions == num_preemptions_before:  # no admission in a step that preempted
             token_budget = self._schedule_waiting(token_budget, scheduled)
@@ -172,11 +169,9 @@ class Scheduler:
         """Admit waiting requests in order while budget, seats and blocks last."""
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self._admit(request, token_budget):
+            num_new_tokens = self._admit(request, token_budget)
+            if not num_new_tokens:
                 break
-            num_new_tokens = self._chunk(
-                request.num_tokens - request.num_computed_tokens, token_budget
-            )
             scheduled.append(self._plan(request, num_new_tokens))
             token_budget -= num_new_tokens
         return token_budget
@@ -204,8 +199,9 @@ class Scheduler:
         self._insert_waiting_ahead(request)
         self.num_preemptions += 1
 
-    def _admit(self, request: Request, token_budget: int) -> bool:
-        """Move the head of `waiting` to `running` if its first chunk gets blocks now."""
+    def _admit(self, request: Request, token_budget: int) -> int:
+        """Move the head of `waiting` to `running` if its first chunk gets blocks now; returns
+        that chunk's size (0: not admitted)."""
         block_manager = self.block_manager
         salt, max_cached_tokens = request.cache_salt, request.max_cached_tokens
         num_cached = block_manager.allocate_cached_prefix(
@@ -214,7 +210,7 @@ class Scheduler:
         num_new_tokens = self._chunk(request.num_tokens - num_cached, token_budget)
         if not block_manager.allocate_slots(request.sequence_id, num_new_tokens, num_cached):
             block_manager.free(request.sequence_id)  # give back the prefix hits: nothing changed
-            return False
+            return 0
         self.waiting.popleft()
         request.num_computed_tokens = num_cached
         if request.first_scheduled_time is None:  # its first admission (not a readmission)
@@ -225,7 +221,7 @@ class Scheduler:
             request.first_scheduled_time = time.monotonic()
         request.status = RequestStatus.RUNNING
         self._insert_running(request)
-        return True
+        return num_new_tokens
 
     def _insert_waiting_ahead(self, request: Request) -> None:
         """Into `waiting` in serve order, ahead of requests with an equal key."""
@@ -267,12 +263,16 @@ class Scheduler:
 
     def _plan(self, request: Request, num_new_tokens: int, drafts: tuple = ()) -> ScheduledRequest:
         tables = [group[request.sequence_id] for group in self.block_manager.group_tables]
+        self.num_prefilled_tokens += request.num_prompt_positions(num_new_tokens)
         return ScheduledRequest.plan(request, tables, num_new_tokens, drafts)
 
     def _chunk(self, num_remaining: int, token_budget: int) -> int:
-        """A request's tokens this step: what it has left, within the budget and, for a long
-        prompt while others share the step, --long-prefill-token-threshold (vLLM's)."""
-        return min(num_remaining, token_budget, self._prefill_cap or num_remaining)
+        """A request's tokens this step: what it has left, within the budget and, while others
+        share the step, --long-prefill-token-threshold (vLLM's; n > 1 children waiting on their
+        parent's prompt do not count, and a step moves requests between these two queues only)."""
+        shared = len(self.running) + len(self.waiting) > 1
+        cap = self.config.long_prefill_token_threshold if shared else 0  # 0: none
+        return min(num_remaining, token_budget, cap or num_remaining)
 
     # ---- after the forward pass ------------------------------------------------------------
 
