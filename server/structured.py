@@ -109,16 +109,11 @@ def _choice(param: str, value: list[str] | None) -> StructuredOutputs | None:
 def _structural_tag_format(response_format: ResponseFormat) -> StructuredOutputs:
     """vLLM's response_format of type structural_tag: xgrammar's `format` tree, or the original
     `structures` (begin, schema, end) with their `triggers`."""
-    if response_format.format is not None:
+    if response_format.format is None and response_format.structures is not None:
+        tag = {"structures": response_format.structures, "triggers": response_format.triggers}
+    else:
         tag = {"type": "structural_tag", "format": response_format.format}
-        return StructuredOutputs("structural_tag", json.dumps(tag), "response_format")
-    structures, triggers = response_format.structures, response_format.triggers
-    if not structures or not triggers:
-        raise invalid_request(
-            "response_format of type structural_tag needs a format, or structures and triggers",
-            "response_format",
-        )
-    constraint = structural_tag("response_format", {"structures": structures, "triggers": triggers})
+    constraint = structural_tag("response_format", tag)
     assert constraint is not None  # given a value
     return constraint
 

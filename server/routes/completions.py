@@ -79,6 +79,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     logit_bias = parse_logit_bias(body.logit_bias, engine.vocab_size)
     bad_words = bad_words_token_ids(body.bad_words, engine)
     structured_outputs = to_structured_outputs(body)
+    max_logprobs = request.app.state.config.model.max_logprobs
     inputs = []
     for prompt in prompts:
         max_tokens = resolve_max_tokens(
@@ -98,7 +99,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             bad_words_token_ids=bad_words,
             lora=lora,
         )
-        max_logprobs = request.app.state.config.model.max_logprobs
         beam = beam_search_params(body, max_tokens, structured_outputs, lora, max_logprobs)
         inputs.append(EngineInput(prompt.token_ids, params, body.priority, beam))
     n = inputs[0].params.n
