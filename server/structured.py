@@ -34,7 +34,10 @@ def to_structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
 
 
 def _from_response_format(response_format: ResponseFormat | None) -> StructuredOutputs | None:
-    if response_format is None or response_format.type == "text":
+    if response_format is None:
+        return None
+    _check_fields_of_its_type(response_format)
+    if response_format.type == "text":
         return None
     if response_format.type == "json_object":
         return StructuredOutputs("json_object", "", "response_format")
@@ -104,6 +107,26 @@ def _text(kind: str, param: str, value: str | None) -> StructuredOutputs | None:
 
 def _choice(param: str, value: list[str] | None) -> StructuredOutputs | None:
     return None if value is None else StructuredOutputs("choice", tuple(value), param)
+
+
+# The response_format fields each type reads; any other type leaves them unread.
+_TYPE_OF_FIELD = {
+    "json_schema": "json_schema",
+    "format": "structural_tag",
+    "structures": "structural_tag",
+    "triggers": "structural_tag",
+}
+
+
+def _check_fields_of_its_type(response_format: ResponseFormat) -> None:
+    """A 400 for a field of another type of response_format (a structural tag's `format` beside
+    type json_schema, say): nothing would read it, so it would constrain nothing."""
+    for name, owner in _TYPE_OF_FIELD.items():
+        if getattr(response_format, name) is not None and response_format.type != owner:
+            raise invalid_request(
+                f"response_format.{name} applies to type {owner}, not {response_format.type}",
+                "response_format",
+            )
 
 
 def _structural_tag_format(response_format: ResponseFormat) -> StructuredOutputs:

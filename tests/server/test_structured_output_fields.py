@@ -79,6 +79,13 @@ BAD = [
     ({"guided_regex": ""}, "guided_regex"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, None),
     ({"response_format": {"type": "structural_tag"}}, "response_format"),
+    # a field of another type would be read by nothing: refused, not ignored
+    ({"response_format": {"type": "json_object", "format": FORMAT}}, "response_format"),
+    ({"response_format": {**JSON_SCHEMA_FORMAT, "triggers": ["<f="]}}, "response_format"),
+    (
+        {"response_format": {**JSON_SCHEMA_FORMAT, "type": "structural_tag", "format": FORMAT}},
+        "response_format",
+    ),
     ({"response_format": {"type": "structural_tag", "structures": STRUCTURES}}, "response_format"),
     (
         {"response_format": {"type": "structural_tag", "structures": [{}], "triggers": ["<"]}},
