@@ -168,6 +168,9 @@ def input_prompts(body: PoolingInputs, request: Request) -> list[Prompt]:
     if (body.input is None) == (body.messages is None):
         raise invalid_request("Give exactly one of 'input' and 'messages'.", "input")
     if body.input is not None:
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+            if getattr(body, name):  # nothing renders `input` with the template
+                raise invalid_request(f"{name} applies to messages, not input.", name)
         special = body.add_special_tokens is not False
         return completion_prompts(body.input, engine, special, "input")
     if body.continue_final_message and body.add_generation_prompt:

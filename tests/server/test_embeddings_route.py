@@ -124,6 +124,9 @@ def test_an_adapter_named_as_the_model_runs_it(client_with, engine: FakeEngine):
         ),
         ({"padding": "max_length"}, "padding", "padding"),
         ({"embed_dtype": "int8"}, "embed_dtype", "embed_dtype"),
+        # the template's controls with `input`: nothing would render it
+        ({"add_generation_prompt": True}, "add_generation_prompt", "applies to messages"),
+        ({"chat_template_kwargs": {"x": 1}}, "chat_template_kwargs", "applies to messages"),
     ],
 )
 def test_what_cannot_be_served_is_a_400_naming_the_field(client, body, param, says):
