@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pagedserve.configs.json_object import parse_json_object
 from pagedserve.configs.sampling import SamplingParams, SamplingParamsError
-from pagedserve.configs.speculative import SpeculativeConfig, parse_speculative_config
+from pagedserve.configs.speculative import SpeculativeConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 ToolCallParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
@@ -340,7 +340,7 @@ class SchedulerConfig(_Section):
     @field_validator("speculative_config", mode="before")
     @classmethod
     def _parse_speculative(cls, value: object) -> object:
-        return parse_speculative_config(value)
+        return parse_json_object(value, "speculative_config")  # '' / 'null' / 'none': off
 
 
 class ServerConfig(_Section):

@@ -11,8 +11,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pagedserve.configs.json_object import parse_json_object
-
 
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -42,8 +40,3 @@ class SpeculativeConfig(BaseModel):
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
             )
         return self
-
-
-def parse_speculative_config(value: object) -> object:
-    """A JSON string (CLI, env) becomes a mapping; '' / 'null' / 'none' mean off."""
-    return parse_json_object(value, "speculative_config")
