@@ -1,13 +1,14 @@
 """Stored responses: what the Responses API's `previous_response_id` continues and
-GET /v1/responses/{id} returns (`store: true`, OpenAI's default).
+GET /v1/responses/{id} (and its /input_items) returns (`store: true`, OpenAI's default).
 
-Each entry keeps its own turn only: the response as answered and the messages its request added
-(instructions aside, which OpenAI does not carry over) with its output as chat messages, both as
-compact JSON, with the id of the response it continued. A conversation is rebuilt by walking that
-chain back, so a long chain costs its length once, not its length squared. The store holds at
-most `--responses-store-memory` bytes of that JSON: past it, the least recently stored or read
-entries are forgotten (one response larger than the whole budget is not stored at all), and a
-chain that runs into a forgotten one cannot be continued (404, naming it).
+Each entry keeps its own turn only: the response as answered, the messages its request added
+(instructions aside, which OpenAI does not carry over) with its output as chat messages, and its
+input as OpenAI lists it, all as compact JSON, with the id of the response it continued. A
+conversation is rebuilt by walking that chain back, so a long chain costs its length once, not
+its length squared. The store holds at most `--responses-store-memory` bytes of that JSON: past
+it, the least recently stored or read entries are forgotten (one response larger than the whole
+budget is not stored at all), and a chain that runs into a forgotten one cannot be continued
+(404, naming it).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ class StoredResponse:
     response_json: bytes  # the response object as it was answered
     previous_response_id: str | None
     messages_json: bytes  # this turn's input, then its output, as chat messages
+    input_items_json: bytes  # the request's input as OpenAI's items (server/input_items.py)
 
     @property
     def size(self) -> int:
-        return len(self.response_json) + len(self.messages_json)
+        return len(self.response_json) + len(self.messages_json) + len(self.input_items_json)
 
 
 class UnknownResponseError(KeyError):

@@ -45,6 +45,7 @@ class InputItem(_Options):
     (`function_call_output`: `call_id`, `output`), or earlier reasoning (`reasoning`)."""
 
     type: str = "message"
+    id: str | None = None  # an item's own id (an earlier response's output items carry theirs)
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[ContentPart] | None = None
     call_id: str | None = None

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.server.background_responses import detached
@@ -21,6 +21,7 @@ from pagedserve.server.errors import (
     invalid_request,
     to_api_error,
 )
+from pagedserve.server.input_items import DEFAULT_LIMIT, MAX_LIMIT, input_items, page
 from pagedserve.server.request_fields import check_request_fields
 from pagedserve.server.response_store import (
     ResponseStore,
@@ -38,7 +39,7 @@ from pagedserve.server.responses import (
     response_events,
     to_chat_request,
 )
-from pagedserve.server.responses_protocol import ResponseObject, ResponsesRequest
+from pagedserve.server.responses_protocol import INCLUDABLE, ResponseObject, ResponsesRequest
 from pagedserve.server.routes.chat import start_chat
 from pagedserve.server.streams import EventStreamResponse
 
@@ -66,7 +67,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         raise
     response = _response(body, request, run.header["model"])
     response.store = body.store and store.enabled
-    keep = _keeper(store, turn) if response.store else None
+    keep = _keeper(store, turn, input_items(body)) if response.store else None
     builder = ResponseBuilder(response, keep)
     events = response_events(builder, run.chunks())
     if body.background:
@@ -85,6 +86,25 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 async def retrieve_response(response_id: str, request: Request) -> Response:
     stored = _stored(request, response_id)
     return Response(stored.response_json, media_type="application/json")
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+    before: str | None = None,
+    include: Annotated[list[str] | None, Query()] = None,
+) -> dict[str, Any]:
+    """A stored response's input items, a page at a time (server/input_items.py). `include` is
+    checked and has nothing to add: inputs here hold text only."""
+    for value in include or []:
+        if value not in INCLUDABLE:
+            raise invalid_request(f"include: {value!r} is not one of OpenAI's values.", "include")
+    items = json.loads(_stored(request, response_id).input_items_json)
+    return page(items, limit=limit, order=order, after=after, before=before)
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -116,15 +136,18 @@ def _stored(request: Request, response_id: str) -> StoredResponse:
         ) from None
 
 
-def _keeper(store: ResponseStore, turn: list[dict[str, Any]]) -> Callable[[ResponseObject], bool]:
+def _keeper(
+    store: ResponseStore, turn: list[dict[str, Any]], items: list[dict[str, Any]]
+) -> Callable[[ResponseObject], bool]:
     """Stores the response as it stands: a finished one as answered (one that failed or whose
     client went away never gets here), a background one at each change of its status; store
-    true, unless it alone is larger than the store."""
+    true, unless it alone is larger than the store. `items`: its input as OpenAI lists it."""
+    items_json = encode(items)
 
     def keep(response: ResponseObject) -> bool:
         messages = encode([*turn, *output_messages(response)])
         entry = StoredResponse(
-            encode(response.model_dump()), response.previous_response_id, messages
+            encode(response.model_dump()), response.previous_response_id, messages, items_json
         )
         return store.put(response.id, entry)
 

@@ -203,6 +203,12 @@ def test_the_responses_api_answers_as_chat_does(client, model_name):
     assert events[-1].response.output_text == response.output_text
     # Stored (OpenAI's default): retrieved as answered, and continued as the chat it was
     assert client.responses.retrieve(response.id).output_text == response.output_text
+    [item] = client.responses.input_items.list(response.id).data  # its input, as OpenAI's items
+    assert (item.type, item.role, item.content[0].text) == (
+        "message",
+        "user",
+        messages[0]["content"],
+    )
     follow_up = [{"role": "user", "content": "And one more."}]
     continued = client.responses.create(
         model=model_name, input=follow_up, previous_response_id=response.id,

@@ -14,8 +14,10 @@ from pagedserve.server.response_store import (
 
 
 def _entry(previous: str | None, text: str, size: int = 100) -> StoredResponse:
+    """`size` bytes in all: the response, its messages and its input items count alike."""
     messages = encode([{"role": "assistant", "content": text}])
-    return StoredResponse(b"x" * (size - len(messages)), previous, messages)
+    items = encode([{"id": "msg_1", "type": "message", "role": "user", "content": []}])
+    return StoredResponse(b"x" * (size - len(messages) - len(items)), previous, messages, items)
 
 
 def test_the_budget_is_bytes_and_the_least_recently_used_go_first():

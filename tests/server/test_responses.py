@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import time
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from pagedserve.engine.errors import RequestFailedError
@@ -324,6 +325,109 @@ def test_stored_responses_are_retrieved_and_deleted(client):
         _respond(client, previous_response_id=body["id"]),
     ):
         assert response.status_code == 404 and body["id"] in response.json()["error"]["message"]
+
+
+INPUT_ITEMS: TypeAdapter = TypeAdapter(list[ResponseItem])
+
+
+def _without_id(item: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in item.items() if key != "id"}
+
+
+def _input_items(client, response_id: str, **params: Any):
+    return client.get(f"/v1/responses/{response_id}/input_items", params=params)
+
+
+def test_a_stored_response_lists_its_input_as_openai_items(tool_client):
+    client = tool_client
+    assert _input_items(client, _respond(client).json()["id"]).json() | {"data": []} == {
+        "object": "list",
+        "data": [],
+        "first_id": ANY,
+        "last_id": ANY,
+        "has_more": False,
+    }
+    items = [
+        {"role": "system", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {
+            "id": "fc_1",
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "get_weather",
+            "arguments": '{"city": "P"}',
+        },
+        {"type": "function_call_output", "call_id": "c1", "output": "22C"},
+    ]
+    body = _respond(client, input=items, tools=[WEATHER]).json()
+    listed = _input_items(client, body["id"], order="asc").json()
+    INPUT_ITEMS.validate_python(listed["data"])  # the openai SDK's item types parse them
+    assert [_without_id(item) for item in listed["data"]] == [
+        {
+            "type": "message",
+            "role": "system",
+            "status": "completed",
+            "content": [{"type": "input_text", "text": "Be brief."}],
+        },
+        {
+            "type": "message",
+            "role": "user",
+            "status": "completed",
+            "content": [{"type": "input_text", "text": "hi"}],
+        },
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "get_weather",
+            "arguments": '{"city": "P"}',
+            "status": "completed",
+        },
+        {"type": "function_call_output", "call_id": "c1", "output": "22C", "status": "completed"},
+    ]
+    ids = [item["id"] for item in listed["data"]]
+    assert ids[2] == "fc_1" and ids[0].startswith("msg_") and ids[3].startswith("fco_")
+    assert len(set(ids)) == 4 and listed["first_id"] == ids[0] and listed["last_id"] == ids[3]
+    newest_first = _input_items(client, body["id"]).json()  # OpenAI's default order: desc
+    assert [item["id"] for item in newest_first["data"]] == ids[::-1]  # the same ids each time
+
+
+def test_input_items_come_a_page_at_a_time(client):
+    body = _respond(client, input=[{"role": "user", "content": str(i)} for i in range(5)]).json()
+    ids = [item["id"] for item in _input_items(client, body["id"], order="asc").json()["data"]]
+    first = _input_items(client, body["id"], order="asc", limit=2).json()
+    assert [item["id"] for item in first["data"]] == ids[:2] and first["has_more"]
+    rest = _input_items(client, body["id"], order="asc", after=first["last_id"]).json()
+    assert [item["id"] for item in rest["data"]] == ids[2:] and not rest["has_more"]
+    between = _input_items(client, body["id"], after=ids[4], before=ids[1]).json()  # desc
+    assert [item["id"] for item in between["data"]] == [ids[3], ids[2]]
+    assert not between["has_more"]
+    one = _input_items(client, body["id"], after=ids[4], before=ids[1], limit=1).json()
+    assert [item["id"] for item in one["data"]] == [ids[3]] and one["has_more"]
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"limit": 0}, "limit"),
+        ({"limit": 101}, "limit"),
+        ({"order": "newest"}, "order"),
+        ({"after": "msg_nope"}, "after"),
+        ({"before": "msg_nope"}, "before"),
+        ({"include": "file_search_call.result"}, "include"),
+    ],
+)
+def test_bad_input_item_queries_are_a_400_naming_the_parameter(client, params, param):
+    response = _input_items(client, _respond(client).json()["id"], **params)
+    assert response.status_code == 400, response.text
+    assert param in (response.json()["error"]["param"] or "")
+
+
+def test_input_items_of_an_unknown_or_deleted_response_are_a_404(client):
+    body = _respond(client).json()
+    client.delete(f"/v1/responses/{body['id']}")
+    for response_id in (body["id"], "resp_nope"):
+        response = _input_items(client, response_id)
+        assert response.status_code == 404 and response_id in response.json()["error"]["message"]
 
 
 def test_store_false_keeps_nothing(client):
