@@ -58,6 +58,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         )
     history = _history(body, store)
     turn = input_messages(body)
+    # Before the engine starts: what cannot be listed is a 400, not a request left running
+    items = _encoded_input_items(body)
     source = detached(request) if body.background else request
     try:
         run = await start_chat(to_chat_request(body, history, turn), source)
@@ -67,7 +69,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         raise
     response = _response(body, request, run.header["model"])
     response.store = body.store and store.enabled
-    keep = _keeper(store, turn, input_items(body)) if response.store else None
+    keep = _keeper(store, turn, items) if response.store else None
     builder = ResponseBuilder(response, keep)
     events = response_events(builder, run.chunks())
     if body.background:
@@ -97,10 +99,11 @@ async def list_input_items(
     after: str | None = None,
     before: str | None = None,
     include: Annotated[list[str] | None, Query()] = None,
+    include_brackets: Annotated[list[str] | None, Query(alias="include[]")] = None,
 ) -> dict[str, Any]:
-    """A stored response's input items, a page at a time (server/input_items.py). `include` is
-    checked and has nothing to add: inputs here hold text only."""
-    for value in include or []:
+    """A stored response's input items, a page at a time (server/input_items.py). `include`
+    (`include[]` as the openai SDK sends it) is checked; the items are listed as they were sent."""
+    for value in [*(include or []), *(include_brackets or [])]:
         if value not in INCLUDABLE:
             raise invalid_request(f"include: {value!r} is not one of OpenAI's values.", "include")
     items = json.loads(_stored(request, response_id).input_items_json)
@@ -136,13 +139,20 @@ def _stored(request: Request, response_id: str) -> StoredResponse:
         ) from None
 
 
+def _encoded_input_items(body: ResponsesRequest) -> bytes:
+    """The request's input items (server/input_items.py) as the store keeps them."""
+    try:
+        return encode(input_items(body))
+    except UnicodeEncodeError:  # a lone surrogate (\ud800) in a field only the items carry
+        raise invalid_request("input holds a string that is not valid Unicode.", "input") from None
+
+
 def _keeper(
-    store: ResponseStore, turn: list[dict[str, Any]], items: list[dict[str, Any]]
+    store: ResponseStore, turn: list[dict[str, Any]], items_json: bytes
 ) -> Callable[[ResponseObject], bool]:
     """Stores the response as it stands: a finished one as answered (one that failed or whose
     client went away never gets here), a background one at each change of its status; store
-    true, unless it alone is larger than the store. `items`: its input as OpenAI lists it."""
-    items_json = encode(items)
+    true, unless it alone is larger than the store. `items_json`: its input as OpenAI lists it."""
 
     def keep(response: ResponseObject) -> bool:
         messages = encode([*turn, *output_messages(response)])

@@ -204,6 +204,10 @@ def test_the_responses_api_answers_as_chat_does(client, model_name):
     # Stored (OpenAI's default): retrieved as answered, and continued as the chat it was
     assert client.responses.retrieve(response.id).output_text == response.output_text
     [item] = client.responses.input_items.list(response.id).data  # its input, as OpenAI's items
+    colours = [{"role": "user", "content": c} for c in ("Red.", "Green.", "Blue.")]
+    several = client.responses.create(model=model_name, input=colours, max_output_tokens=1)
+    pages = client.responses.input_items.list(several.id, order="asc", limit=2)  # 2 pages
+    assert [listed.content[0].text for listed in pages] == ["Red.", "Green.", "Blue."]
     assert (item.type, item.role, item.content[0].text) == (
         "message",
         "user",

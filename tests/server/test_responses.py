@@ -391,6 +391,65 @@ def test_a_stored_response_lists_its_input_as_openai_items(tool_client):
     assert [item["id"] for item in newest_first["data"]] == ids[::-1]  # the same ids each time
 
 
+def test_every_side_of_a_conversation_is_listed_in_the_sdks_item_shapes(tool_client):
+    client = tool_client
+    items = [
+        {"role": "assistant", "content": "earlier answer", "phase": "final_answer"},
+        {"role": "user", "content": [{"type": "output_text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "input_text", "text": "c"}]},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "output_text", "text": "o"}]},
+        {"role": "user", "content": "go on"},
+    ]  # fmt: skip
+    response = _respond(client, input=items, tools=[WEATHER])
+    assert response.status_code == 200, response.text
+    listed = _input_items(client, response.json()["id"], order="asc").json()["data"]
+    parsed = INPUT_ITEMS.validate_python(listed, strict=True)
+    assert [type(item).__name__ for item in parsed] == [
+        "ResponseOutputMessage", "ResponseInputMessageItem", "ResponseOutputMessage",
+        "ResponseReasoningItem", "ResponseFunctionToolCallItem",
+        "ResponseFunctionToolCallOutputItem", "ResponseInputMessageItem",
+    ]  # fmt: skip
+    assert listed[0]["content"] == [
+        {"type": "output_text", "text": "earlier answer", "annotations": [], "logprobs": []}
+    ]
+    assert listed[0]["phase"] == "final_answer"  # the client's own fields stay
+    assert [part["text"] for part in listed[1]["content"]] == ["a", "b"]
+    reasoning = listed[3]
+    assert reasoning["id"].startswith("rs_") and reasoning["summary"] == []
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "hmm"}]
+    assert listed[5]["output"] == [{"type": "input_text", "text": "o"}]
+
+
+@pytest.mark.parametrize(
+    ("item", "says"),
+    [
+        ({"id": "msg_\ud800", "role": "user", "content": "hi"}, "not valid Unicode"),
+        ({"type": "reasoning", "summary": [{"type": "summary_text", "text": "\ud800"}]}, "Unicode"),
+    ],
+)
+def test_an_input_item_that_cannot_be_stored_is_a_400_before_the_engine_runs(
+    client, engine: FakeEngine, item, says
+):
+    # json.dumps writes the lone surrogate as the escape \\ud800, which the server decodes
+    body = json.dumps({"input": [{"role": "user", "content": "hi"}, item]})
+    response = client.post(
+        "/v1/responses", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and says in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "input"
+    assert engine.requests == [] and engine.in_flight == 0
+
+
+def test_two_input_items_with_one_id_are_a_400_as_openai_says(client, engine: FakeEngine):
+    items = [{"id": "msg_1", "role": "user", "content": str(i)} for i in range(2)]
+    response = _respond(client, input=items)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "input"
+    assert "Duplicate item found with id msg_1" in response.json()["error"]["message"]
+    assert engine.requests == []
+
+
 def test_input_items_come_a_page_at_a_time(client):
     body = _respond(client, input=[{"role": "user", "content": str(i)} for i in range(5)]).json()
     ids = [item["id"] for item in _input_items(client, body["id"], order="asc").json()["data"]]
@@ -414,6 +473,7 @@ def test_input_items_come_a_page_at_a_time(client):
         ({"after": "msg_nope"}, "after"),
         ({"before": "msg_nope"}, "before"),
         ({"include": "file_search_call.result"}, "include"),
+        ({"include[]": "file_search_call.result"}, "include"),  # as the openai SDK sends it
     ],
 )
 def test_bad_input_item_queries_are_a_400_naming_the_parameter(client, params, param):
