@@ -29,6 +29,17 @@ def check_logprobs_cap(request: Request, **counts: int | None) -> None:
             )
 
 
+def resolve_logprobs_counts(request: Request, body: Any, *names: str) -> None:
+    """vLLM's -1 in the fields `names` of `body` (the whole vocabulary per token) as the
+    vocabulary's size, then `check_logprobs_cap`: so only a server started with `--max-logprobs
+    -1` (or a cap as large as the vocabulary) answers it."""
+    vocab_size = request.app.state.engine.vocab_size
+    for name in names:
+        if getattr(body, name) == -1:
+            setattr(body, name, vocab_size)
+    check_logprobs_cap(request, **{name: getattr(body, name) for name in names})
+
+
 def prompt_logprobs_body(
     tokenizer: Any, entries: tuple[TokenLogprob | None, ...], num_top: int
 ) -> PromptLogprobs:

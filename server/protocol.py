@@ -224,9 +224,10 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0)  # OpenAI's cap is 5, vLLM's --max-logprobs 20
+    # OpenAI's cap is 5, vLLM's --max-logprobs 20; -1: the whole vocabulary (vLLM's)
+    logprobs: int | None = Field(None, ge=-1)
     echo: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's extension
+    prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM's extension (-1 as logprobs)
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (...) around a text prompt
@@ -274,11 +275,11 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM's)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's extension
+    prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM's extension (-1 as top_logprobs)
     # vLLM's chat template controls: open the assistant's turn, or continue the last message
     # (an assistant prefill); variables for the template (e.g. Qwen3's enable_thinking); and
     # special tokens added around the rendered text (the template has its own).

@@ -17,7 +17,7 @@ from pagedserve.server.beam_search import beam_search_params
 from pagedserve.server.chat_choice import ChatChoiceText
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, Item, start_generation
-from pagedserve.server.logprobs import check_logprobs_cap, prompt_logprobs_body
+from pagedserve.server.logprobs import prompt_logprobs_body, resolve_logprobs_counts
 from pagedserve.server.prompts import (
     TemplateOptions,
     bad_words_token_ids,
@@ -161,9 +161,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> ChatRun:
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
     force_usage(body, request)
-    check_logprobs_cap(
-        request, top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs
-    )
+    resolve_logprobs_counts(request, body, "top_logprobs", "prompt_logprobs")
     plan = plan_tools(body, request.app.state.config.server)
     template = TemplateOptions(
         body.add_generation_prompt,

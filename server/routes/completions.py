@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedserve.server.beam_search import beam_search_params
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, Item, start_generation
-from pagedserve.server.logprobs import ChoiceText, check_logprobs_cap, prompt_logprobs_body
+from pagedserve.server.logprobs import ChoiceText, prompt_logprobs_body, resolve_logprobs_counts
 from pagedserve.server.prompts import (
     bad_words_token_ids,
     check_model,
@@ -71,7 +71,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     check_request_fields(body, request.state.request_id)
     _check_supported(body)
     force_usage(body, request)
-    check_logprobs_cap(request, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
+    resolve_logprobs_counts(request, body, "logprobs", "prompt_logprobs")
     prompts = [
         truncated(prompt, body.truncate_prompt_tokens, engine)
         for prompt in completion_prompts(body.prompt, engine, body.add_special_tokens)

@@ -182,6 +182,28 @@ def test_max_logprobs_sets_the_cap_each_route_names_its_own_field_against(
     assert client_with(max_logprobs=-1).post(path, json={**body, field: 500}).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("path", "field", "engine_field", "body"),
+    [
+        ("/v1/completions", "logprobs", "logprobs", {"prompt": "hi"}),
+        ("/v1/completions", "prompt_logprobs", "prompt_logprobs", {"prompt": "hi"}),
+        ("/v1/chat/completions", "top_logprobs", "logprobs", {"messages": USER, "logprobs": True}),
+        ("/v1/chat/completions", "prompt_logprobs", "prompt_logprobs", {"messages": USER}),
+    ],
+)
+def test_minus_one_asks_for_the_whole_vocabulary_where_max_logprobs_allows_it(
+    client_with, engine, path, field, engine_field, body
+):
+    answered = client_with(max_logprobs=-1).post(path, json={**body, field: -1})
+    assert answered.status_code == 200, answered.text
+    assert getattr(engine.requests[-1][2], engine_field) == engine.vocab_size  # vLLM's meaning
+    refused = client_with(max_logprobs=20).post(path, json={**body, field: -1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+    assert f"{engine.vocab_size} alternatives" in refused.json()["error"]["message"]
+    below = client_with(max_logprobs=-1).post(path, json={**body, field: -2})
+    assert below.status_code == 400 and field in str(below.json()["error"]["param"])
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_beam_search_wider_than_max_logprobs_allows_names_n(client_with, path):
     # Each beam step scores 2 x n candidates: n=3 needs 6 alternatives per token.
