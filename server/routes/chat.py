@@ -56,10 +56,17 @@ from pagedserve.server.tools import ToolPlan, assemble_tool_calls, plan_tools
 router = APIRouter()
 
 
-def _logprobs_count(body: ChatCompletionRequest) -> int | None:
-    """How many alternatives the engine returns per token (None: no logprobs at all)."""
+def _check_logprobs_fields(body: ChatCompletionRequest) -> None:
+    """vLLM's checks of the logprobs fields, made before any count is held to --max-logprobs (so
+    -1 with stream, say, is refused for streaming)."""
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+    if body.stream and body.prompt_logprobs is not None:  # as vLLM
+        raise invalid_request("prompt_logprobs is not available when streaming.", "prompt_logprobs")
+
+
+def _logprobs_count(body: ChatCompletionRequest) -> int | None:
+    """How many alternatives the engine returns per token (None: no logprobs at all)."""
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
@@ -161,6 +168,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> ChatRun:
     lora = check_model(body.model, engine)
     check_request_fields(body, request.state.request_id)
     force_usage(body, request)
+    _check_logprobs_fields(body)
     resolve_logprobs_counts(request, body, "top_logprobs", "prompt_logprobs")
     plan = plan_tools(body, request.app.state.config.server)
     template = TemplateOptions(
@@ -194,8 +202,6 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> ChatRun:
             f"{max_tokens_param} 0 returns no reply: it needs prompt_logprobs.", max_tokens_param
         )
     num_top = _logprobs_count(body)
-    if body.stream and body.prompt_logprobs is not None:  # as vLLM
-        raise invalid_request("prompt_logprobs is not available when streaming.", "prompt_logprobs")
     params = body.to_sampling_params(
         max_tokens,
         num_top,

@@ -204,6 +204,15 @@ def test_minus_one_asks_for_the_whole_vocabulary_where_max_logprobs_allows_it(
     assert below.status_code == 400 and field in str(below.json()["error"]["param"])
 
 
+def test_chats_own_logprobs_checks_come_before_the_cap(client_with):
+    client = client_with(max_logprobs=20)  # -1 is over it, but these say what else is wrong
+    unasked = client.post("/v1/chat/completions", json={"messages": USER, "top_logprobs": -1})
+    assert "requires logprobs to be true" in unasked.json()["error"]["message"]
+    body = {"messages": USER, "stream": True, "prompt_logprobs": -1}
+    streamed = client.post("/v1/chat/completions", json=body)
+    assert "not available when streaming" in streamed.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_beam_search_wider_than_max_logprobs_allows_names_n(client_with, path):
     # Each beam step scores 2 x n candidates: n=3 needs 6 alternatives per token.
