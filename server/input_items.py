@@ -13,10 +13,10 @@ responses it continues (`previous_response_id`), which keep their own.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from pagedserve.server.errors import invalid_request
+from pagedserve.server.responses import new_id
 from pagedserve.server.responses_protocol import ContentPart, InputItem, ResponsesRequest
 
 # OpenAI's id prefixes, by item type
@@ -71,7 +71,7 @@ def _message(role: str, content: str | list[ContentPart], extra: dict[str, Any])
         role,
     )
     return {
-        "id": _new_id("message"),
+        "id": extra.get("id") or _new_id("message"),  # made only where the client sent none
         "type": "message",
         "role": role,
         "status": "completed",
@@ -102,7 +102,7 @@ def _parts(parts: list[ContentPart], role: str) -> list[dict[str, Any]]:
 
 
 def _new_id(item_type: str) -> str:
-    return f"{ID_PREFIXES.get(item_type, 'item')}_{uuid.uuid4().hex}"
+    return new_id(ID_PREFIXES.get(item_type, "item"))
 
 
 def _shown(item_id: str) -> str:
