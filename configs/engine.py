@@ -315,6 +315,12 @@ class SchedulerConfig(_Section):
         description="most tokens of one prompt per step while other requests share the step, so "
         "a long prompt does not take every step's budget from short ones (vLLM's; 0: no cap)",
     )
+    enable_chunked_prefill: bool = Field(
+        True,
+        description="split prompts longer than a step's token budget into chunks (vLLM's; with "
+        "--no-enable-chunked-prefill a prompt waits for a step that takes it whole, and "
+        "--max-num-batched-tokens defaults to, and may not be below, max_model_len)",
+    )
     max_waiting_requests: int = Field(
         1024,
         ge=1,
@@ -341,6 +347,25 @@ class SchedulerConfig(_Section):
     @classmethod
     def _parse_speculative(cls, value: object) -> object:
         return parse_json_object(value, "speculative_config")  # '' / 'null' / 'none': off
+
+    def for_model_len(self, max_model_len: int) -> SchedulerConfig:
+        """This config for a model of `max_model_len` positions. Without chunked prefill every
+        prompt must fit one step, as vLLM has it: an unset step budget grows to max_model_len,
+        and one set below it is refused (a longer prompt would wait forever).
+
+        Raises:
+            ValueError: chunked prefill off, and --max-num-batched-tokens below max_model_len.
+        """
+        if self.enable_chunked_prefill or self.max_num_batched_tokens >= max_model_len:
+            return self
+        if "max_num_batched_tokens" not in self.model_fields_set:
+            return self.model_copy(update={"max_num_batched_tokens": max_model_len})
+        raise ValueError(
+            f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+            f"max_model_len ({max_model_len}): without chunked prefill no longer prompt could "
+            "run. Raise --max-num-batched-tokens, lower --max-model-len, or leave chunked "
+            "prefill on"
+        )
 
 
 class ServerConfig(_Section):

@@ -32,13 +32,14 @@ class LLM:
     """Batch generation without a server. Engine keyword arguments mirror the CLI flags
     (`block_size`, `num_kv_blocks`, `kv_cache_memory`, `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `enable_prefix_caching`, `dtype`, `device`, `attention_backend`,
-    ...). `max_num_batched_tokens` defaults to OFFLINE_MAX_NUM_BATCHED_TOKENS here, not to the
-    server's 512: a batch job wants throughput, not a short step for the next arrival. Once
-    built, everything alive is frozen out of the garbage collector's full passes, as the server
-    does (engine/heap.py)."""
+    ...). `max_num_batched_tokens` defaults to OFFLINE_MAX_NUM_BATCHED_TOKENS here (with chunked
+    prefill on), not to the server's 512: a batch job wants throughput, not a short step for the
+    next arrival. Once built, everything alive is frozen out of the garbage collector's full
+    passes, as the server does (engine/heap.py)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
-        engine_args.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
+        if engine_args.get("enable_chunked_prefill", True):  # else max_model_len (SchedulerConfig)
+            engine_args.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         config = load_engine_config(cli={"model": model, **engine_args}, environ={})
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

@@ -61,6 +61,8 @@ class LLMEngine:
         self.model_name = config.model.served_model_names[0]
         self.vocab_size = loaded.hf_config.vocab_size
         self.max_model_len, self.classifier = loaded.max_model_len, loaded.classifier
+        scheduler_config = config.scheduler.for_model_len(self.max_model_len)  # the step budget
+        config = self.config = config.model_copy(update={"scheduler": scheduler_config})
         self.eos_token_ids = _eos_token_ids(loaded)
         spec = make_cache_spec(
             loaded.hf_config, loaded.model, config.cache.block_size, config.cache.kv_cache_dtype

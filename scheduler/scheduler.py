@@ -7,17 +7,17 @@ Each step, in this order, and why:
 2. Running requests first, oldest (or most important) first: each gets its remaining tokens
    (1 for a decode, the next chunk for a prompt) within the step's token budget, and its block
    table grows by exactly the blocks those tokens need. Running work goes first so that decodes
-   never stall behind a long prompt; a long prompt is split into chunks (chunked prefill), and a
-   chunk leaves one token of the budget for every decode behind it in the running order. With
-   `long_prefill_token_threshold`, at most that long while others share the step (vLLM's).
+   never stall behind a long prompt; a long prompt is split into chunks (chunked prefill, each at
+   most `long_prefill_token_threshold` while others share the step), and a chunk leaves one token
+   of the budget for every decode behind it in the running order.
 3. When a table cannot grow (the pool is dry), the lowest-priority, latest-arrived running
    request not yet scheduled is preempted (recompute: blocks released, progress reset to 0,
    generated tokens kept) and the allocation retried; if that victim is the failing request, it
    waits. No length advances for a failed reservation. The oldest request can always take blocks
    from younger ones and every admitted request fits the pool alone, so nothing starves.
 4. Waiting requests are admitted (FCFS, or by priority) while budget, `max_num_seqs` and blocks
-   last, reusing the longest cached prefix; none is admitted in a step that preempted, so a
-   victim is not immediately replaced by a newcomer.
+   last (without chunked prefill: their whole prompt), reusing the longest cached prefix; none is
+   admitted in a step that preempted, so a victim is not immediately replaced by a newcomer.
 
 `update_from_output` then advances `num_computed_tokens` by what was computed (accepted drafts
 included), appends sampled tokens, checks token-level stops and frees finished requests' blocks.
@@ -100,11 +100,8 @@ class Scheduler:
         return request
 
     def stop_on_string(self, request: Request, num_dropped: int = 0) -> None:
-        """The engine found a stop string in `request`'s text: it finishes as stopped.
-
-        A request still running is finished (blocks freed at once). One that this step's token
-        already finished by length ends as stopped all the same: the stop string ended its text.
-        """
+        """The engine found a stop string in `request`'s text: it finishes as stopped (blocks
+        freed at once), even where this step's token already finished it by length."""
         request.drop_last_output_tokens(num_dropped)  # a speculative run's, after the stop
         if not request.is_finished:
             self.finish_request(request.sequence_id, RequestStatus.FINISHED_STOPPED)
@@ -200,15 +197,16 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _admit(self, request: Request, token_budget: int) -> int:
-        """Move the head of `waiting` to `running` if its first chunk gets blocks now; returns
-        that chunk's size (0: not admitted)."""
+        """Move the head of `waiting` to `running` if its first chunk gets blocks: its size or 0."""
         block_manager = self.block_manager
         salt, max_cached_tokens = request.cache_salt, request.max_cached_tokens
         num_cached = block_manager.allocate_cached_prefix(
             request.sequence_id, request.all_token_ids, salt, max_cached_tokens
         )
-        num_new_tokens = self._chunk(request.num_tokens - num_cached, token_budget)
-        if not block_manager.allocate_slots(request.sequence_id, num_new_tokens, num_cached):
+        num_new_tokens = self._chunk(request.num_tokens - num_cached, token_budget, admit=True)
+        if not num_new_tokens or not block_manager.allocate_slots(
+            request.sequence_id, num_new_tokens, num_cached
+        ):
             block_manager.free(request.sequence_id)  # give back the prefix hits: nothing changed
             return 0
         self.waiting.popleft()
@@ -266,13 +264,15 @@ class Scheduler:
         self.num_prefilled_tokens += request.num_prompt_positions(num_new_tokens)
         return ScheduledRequest.plan(request, tables, num_new_tokens, drafts)
 
-    def _chunk(self, num_remaining: int, token_budget: int) -> int:
+    def _chunk(self, num_remaining: int, token_budget: int, admit: bool = False) -> int:
         """A request's tokens this step: what it has left, within the budget and, while others
         share the step, --long-prefill-token-threshold (vLLM's; n > 1 children waiting on their
         parent's prompt do not count, and a step moves requests between these two queues only)."""
         shared = len(self.running) + len(self.waiting) > 1
         cap = self.config.long_prefill_token_threshold if shared else 0  # 0: none
-        return min(num_remaining, token_budget, cap or num_remaining)
+        wanted = min(num_remaining, cap or num_remaining)
+        whole_only = admit and not self.config.enable_chunked_prefill  # admitted whole, or not (0)
+        return 0 if whole_only and wanted > token_budget else min(wanted, token_budget)
 
     # ---- after the forward pass ------------------------------------------------------------
 

@@ -132,12 +132,14 @@ def make_scheduler(
     scheduling_policy: str = "fcfs",
     enable_prefix_caching: bool = True,
     long_prefill_token_threshold: int = 0,
+    enable_chunked_prefill: bool = True,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         scheduling_policy=scheduling_policy,
         long_prefill_token_threshold=long_prefill_token_threshold,
+        enable_chunked_prefill=enable_chunked_prefill,
     )
     block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
     return Scheduler(config, block_manager, max_model_len=max_model_len)

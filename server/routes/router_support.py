@@ -40,7 +40,9 @@ def _server_info(request: Request) -> dict[str, Any]:
         "version": _package_version(),
         "dp_size": 1,  # one engine per replica: data parallelism is the router's job
         "max_running_requests": config.scheduler.max_num_seqs,
-        "max_prefill_tokens": config.scheduler.max_num_batched_tokens,
+        "max_prefill_tokens": config.scheduler.for_model_len(
+            engine.max_model_len
+        ).max_num_batched_tokens,
         "max_total_tokens": stats.num_total_blocks * stats.block_size,
         "context_length": engine.max_model_len,
         "page_size": stats.block_size,

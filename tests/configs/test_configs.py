@@ -139,6 +139,41 @@ def test_unknown_cli_flag_is_rejected():
         load_engine_config(cli={"blok_size": 8}, environ={})
 
 
+@pytest.mark.parametrize(
+    ("settings", "budget"),
+    [
+        ({}, 512),  # chunked prefill on: the budget as given
+        ({"enable_chunked_prefill": False}, 2048),  # off and unset: a whole max_model_len prompt
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 4096}, 4096),
+    ],
+)
+def test_the_step_budget_for_a_model_length(settings: dict, budget: int):
+    config = load_engine_config(cli=settings, environ={})
+    assert config.scheduler.for_model_len(2048).max_num_batched_tokens == budget
+
+
+@pytest.mark.parametrize("source", ["cli", "env"])
+def test_without_chunked_prefill_a_budget_below_the_model_length_is_refused(source: str):
+    # vLLM's check: no prompt longer than the budget could ever run (it would wait forever).
+    if source == "cli":
+        config = load_engine_config(
+            cli={"enable_chunked_prefill": False, "max_num_batched_tokens": 1024}, environ={}
+        )
+    else:
+        config = load_engine_config(
+            environ={
+                "PAGEDSERVE_ENABLE_CHUNKED_PREFILL": "false",
+                "PAGEDSERVE_MAX_NUM_BATCHED_TOKENS": "1024",
+            }
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"max_num_batched_tokens \(1024\) is smaller than "
+        r"max_model_len \(2048\)",
+    ):
+        config.scheduler.for_model_len(2048)
+
+
 def test_out_of_range_value_is_rejected_naming_the_field():
     with pytest.raises(ValueError, match="block_size"):
         load_engine_config(environ={"PAGEDSERVE_BLOCK_SIZE": "0"})

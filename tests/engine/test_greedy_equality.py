@@ -123,6 +123,25 @@ def test_greedy_output_equals_hf_generate_with_chunked_prefill(default_loaded, p
     _check_all(run, references, "chunked prefill")
 
 
+def test_greedy_output_equals_hf_generate_without_chunked_prefill(
+    default_loaded, prompts, references
+):
+    # vLLM's --no-enable-chunked-prefill: every prompt runs whole in one step, the step budget
+    # (left unset) grown to max_model_len so that the longest prompt fits.
+    engine = make_engine(
+        default_loaded,
+        block_size=16,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+        num_kv_blocks=_whole_batch_blocks(16),
+    )
+    assert engine.scheduler.config.max_num_batched_tokens == engine.max_model_len
+    add_requests(engine, prompts, greedy_params(MAX_NEW_TOKENS))
+    run = run_to_completion(engine)
+    assert all(s.needs_sample for plan in run.plans for s in plan.requests), "no partial chunk"
+    _check_all(run, references, "no chunked prefill")
+
+
 def test_greedy_output_equals_hf_generate_with_prefix_cache_hits(
     default_loaded, prompts, references
 ):

@@ -143,3 +143,14 @@ def test_a_model_the_paged_attention_cannot_serve_exactly_is_refused_at_load(fam
     spec = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", block_size=4)
     with pytest.raises(ValueError, match=reason):
         ModelRunner(model, CacheEngine(spec, num_blocks=8, device="cpu"), TorchPagedAttention())
+
+
+def test_an_engine_without_chunked_prefill_refuses_a_step_budget_below_its_model_length(
+    default_tokenizer,
+):
+    # vLLM's start-up check: a prompt longer than the budget could never be admitted whole.
+    loaded = make_tiny_model("llama-gqa", default_tokenizer)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(256\) is smaller than"):
+        make_engine(loaded, enable_chunked_prefill=False, max_num_batched_tokens=256)
+    engine = make_engine(loaded, enable_chunked_prefill=False, max_num_batched_tokens=512)
+    assert engine.scheduler.config.max_num_batched_tokens == 512 == engine.max_model_len

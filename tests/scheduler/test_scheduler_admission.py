@@ -200,6 +200,50 @@ def test_without_a_threshold_a_long_prompt_takes_the_whole_budget():
     run_to_completion(scheduler, runner)
 
 
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_that_takes_it_whole():
+    # vLLM's --no-enable-chunked-prefill: 8 running decodes leave 56 of the 64-token budget, so
+    # a 60-token prompt waits (and the short one behind it, in FCFS order) until they finish,
+    # then runs whole. Nothing is reserved for it while it waits.
+    scheduler = make_scheduler(
+        num_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        enable_chunked_prefill=False,
+    )
+    runner, log = FakeModelRunner(scheduler), RunLog()
+    for index in range(8):
+        scheduler.add_request(make_request(f"d{index}", 4, max_tokens=3, ignore_eos=True))
+    step(scheduler, runner, log)
+    scheduler.add_request(make_request("long", 60, max_tokens=2, ignore_eos=True))
+    scheduler.add_request(make_request("short", 4, max_tokens=2, ignore_eos=True))
+    for _ in range(2):  # the decodes' last two tokens
+        plan = step(scheduler, runner, log)
+        assert {s.sequence_id for s in plan.requests} == {f"d{index}" for index in range(8)}
+        assert "long" not in scheduler.block_manager.tables
+    plan = step(scheduler, runner, log)
+    assert [(s.sequence_id, s.num_new_tokens) for s in plan.requests] == [
+        ("long", 60),
+        ("short", 4),
+    ]
+    log = run_to_completion(scheduler, runner)
+    assert set(log.finished) == {"long", "short"}
+
+
+def test_with_chunked_prefill_the_same_prompt_starts_beside_the_decodes():
+    scheduler = make_scheduler(
+        num_blocks=64, block_size=4, max_num_batched_tokens=64, max_model_len=64
+    )
+    runner = FakeModelRunner(scheduler)
+    for index in range(8):
+        scheduler.add_request(make_request(f"d{index}", 4, max_tokens=3, ignore_eos=True))
+    step(scheduler, runner)
+    scheduler.add_request(make_request("long", 60, max_tokens=2, ignore_eos=True))
+    plan = step(scheduler, runner)
+    assert [(s.sequence_id, s.num_new_tokens) for s in plan.requests][-1] == ("long", 56)
+    run_to_completion(scheduler, runner)
+
+
 def test_a_prompt_sorted_ahead_of_running_decodes_leaves_each_of_them_a_token():
     # A more important prompt arrives while four requests decode: it sorts ahead of them in
     # `running` (so would a recomputing preempted request under FCFS), and its chunks must not

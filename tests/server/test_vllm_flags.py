@@ -48,6 +48,14 @@ def test_vllms_server_flags_set_the_server_config(flags, field, value):
 
 
 @pytest.mark.parametrize(
+    ("flags", "enabled"),
+    [([], True), (["--enable-chunked-prefill"], True), (["--no-enable-chunked-prefill"], False)],
+)
+def test_vllms_chunked_prefill_flags(flags, enabled):
+    assert _config(*flags).scheduler.enable_chunked_prefill is enabled
+
+
+@pytest.mark.parametrize(
     "flags", [["-tp", "1"], ["--tensor-parallel-size", "1"], ["-pp", "1", "-dp", "1"]]
 )
 def test_parallel_sizes_of_one_and_enforce_eager_are_accepted(flags):
