@@ -425,6 +425,12 @@ class ServerConfig(_Section):
         description="chat template variables for every request, as JSON (vLLM's), e.g. "
         '{"enable_thinking": false}; a request\'s own chat_template_kwargs win',
     )
+    response_role: str = Field(
+        "assistant",
+        min_length=1,
+        description="the role a chat reply names when the request adds a generation prompt "
+        "(vLLM's; without one, the last message's role, whose text `echo` repeats)",
+    )
     return_tokens_as_token_ids: bool = Field(
         False,
         description="name logprob tokens token_id:<id> for requests that leave "

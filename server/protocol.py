@@ -432,7 +432,7 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # --response-role (vLLM's)
     content: str | None
     tool_calls: list[ToolCall] | None = None
     reasoning: str | None = None  # vLLM's, with a --reasoning-parser (server/reasoning.py)
@@ -472,7 +472,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None  # the first chunk's: --response-role (vLLM's)
     content: str | None = None
     reasoning: str | None = None  # vLLM's, with a --reasoning-parser
     tool_calls: list[ToolCallDelta] | None = None

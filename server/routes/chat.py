@@ -81,6 +81,7 @@ class _Output:
     prompt_text: str | None  # return_prompt_text: the rendered prompt (else None)
     echo: str  # echo: the text every choice's content starts with ("" if none)
     show_reasoning: bool = True  # include_reasoning
+    role: str = "assistant"  # the reply's (_reply_role)
 
     @property
     def token_ids(self) -> bool:
@@ -243,14 +244,17 @@ async def start_chat(body: ChatCompletionRequest, request: Request) -> ChatRun:
         )
         for _ in range(params.n)
     ]
+    server = request.app.state.config.server
+    role = _reply_role(body, server.response_role)
     output = _Output(
         engine.tokenizer,
         num_top or 0,
-        body.tokens_as_ids(request.app.state.config.server.return_tokens_as_token_ids),
+        body.tokens_as_ids(server.return_tokens_as_token_ids),
         prompt.token_ids if body.return_token_ids else None,
         prompt.text if body.return_prompt_text else None,
-        _echo(body),
+        _echo(body, role),
         body.include_reasoning,
+        role,
     )
     return ChatRun(stream, header, output, choices, recorder, body)
 
@@ -277,11 +281,17 @@ def _check_hidden_reasoning(
             )
 
 
-def _echo(body: ChatCompletionRequest) -> str:
-    """vLLM's chat `echo`: the last message's text when it is the assistant's (the reply's role:
-    a prefill the model continues), else nothing."""
+def _reply_role(body: ChatCompletionRequest, response_role: str) -> str:
+    """The role the reply names, as vLLM's: --response-role after a generation prompt, else the
+    last message's (the model continues that message)."""
+    return response_role if body.add_generation_prompt else body.messages[-1].role
+
+
+def _echo(body: ChatCompletionRequest, role: str) -> str:
+    """vLLM's chat `echo`: the last message's text when it has the reply's role (a prefill the
+    model continues), else nothing."""
     last = body.messages[-1]
-    return last.text if body.echo and last.role == "assistant" else ""
+    return last.text if body.echo and last.role == role else ""
 
 
 def _constraint(body: ChatCompletionRequest, plan: ToolPlan | None) -> StructuredOutputs | None:
@@ -317,7 +327,7 @@ async def _stream_chunks(
 
     async with aclosing(stream):
         for index in range(len(choices)):  # OpenAI's first chunk of every choice: the role
-            yield chunk(index, ChatDelta(role="assistant", content=""), first=True)
+            yield chunk(index, ChatDelta(role=output.role, content=""), first=True)
             if output.echo:
                 yield chunk(index, ChatDelta(content=output.echo))
         async for _, delta in stream:
@@ -388,6 +398,7 @@ async def _collect(
         calls = assemble_tool_calls(piece.calls)
         reasoning = piece.reasoning if output.show_reasoning else ""
         message = ChatResponseMessage(
+            role=output.role,
             content=None if (calls or piece.reasoning) and not content.strip() else content,
             tool_calls=calls or None,
             reasoning=reasoning or None,

@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 
 import pytest
+from pydantic import ValidationError
 
-from tests.server.conftest import sse_json
+from tests.server.conftest import make_config, sse_json
 
 TAG = '{"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}'
 
@@ -352,6 +353,34 @@ def test_streamed_chat_echo_follows_the_role_chunk(client):
     deltas = [event["choices"][0]["delta"] for event in events]
     assert deltas[0]["role"] == "assistant" and deltas[1] == {"content": "Well,"}
     assert "".join(delta.get("content", "") for delta in deltas) == "Well,ab"
+
+
+def _reply_roles(client, body: dict) -> tuple[str, str]:
+    """The role of a plain reply and of a streamed one's first chunk."""
+    plain = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    events = sse_json(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    return plain["role"], events[0]["choices"][0]["delta"]["role"]
+
+
+def test_response_role_names_the_reply_after_a_generation_prompt(client_with):
+    # vLLM's --response-role; both shapes of the reply carry it.
+    client = client_with(response_role="bot")
+    assert _reply_roles(client, {"messages": USER, "max_tokens": 2}) == ("bot", "bot")
+
+
+def test_a_continued_message_keeps_its_own_role_and_echo_repeats_it(client_with):
+    # As vLLM's: without a generation prompt the model continues the last message, whatever its
+    # role, so the reply names that role, and echo repeats that message's text.
+    client = client_with(response_role="bot")
+    body = {"messages": USER, "max_tokens": 2, **CONTINUE}
+    assert _reply_roles(client, body) == ("user", "user")
+    echoed = client.post("/v1/chat/completions", json={**body, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == "hiab"
+
+
+def test_an_empty_response_role_is_refused_at_start():
+    with pytest.raises(ValidationError, match="response_role"):
+        make_config(response_role="")
 
 
 @pytest.mark.parametrize("stream", [False, True])
