@@ -58,11 +58,14 @@ router = APIRouter()
 
 def _check_logprobs_fields(body: ChatCompletionRequest) -> None:
     """vLLM's checks of the logprobs fields, made before any count is held to --max-logprobs (so
-    -1 with stream, say, is refused for streaming)."""
-    if body.top_logprobs is not None and not body.logprobs:
+    -1 with stream, say, is refused for streaming). A count of 0 that could show nothing (top
+    logprobs without logprobs, prompt logprobs in a stream) is accepted and ignored, as vLLM's."""
+    if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-    if body.stream and body.prompt_logprobs is not None:  # as vLLM
+    if body.stream and body.prompt_logprobs:
         raise invalid_request("prompt_logprobs is not available when streaming.", "prompt_logprobs")
+    if body.stream:
+        body.prompt_logprobs = None  # 0: nothing to compute
 
 
 def _logprobs_count(body: ChatCompletionRequest) -> int | None:

@@ -41,11 +41,13 @@ def _check_supported(body: CompletionRequest) -> None:
         raise invalid_request("suffix is not supported.", "suffix")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise invalid_request("best_of must equal n (or be omitted).", "best_of")
-    if body.stream and body.prompt_logprobs is not None:  # as vLLM: the legacy echo lists stream
+    if body.stream and body.prompt_logprobs:  # as vLLM: the legacy echo lists stream
         raise invalid_request(
             "prompt_logprobs is not available when streaming; use echo with logprobs.",
             "prompt_logprobs",
         )
+    if body.stream:  # 0 shows nothing in a stream: accepted and ignored, as vLLM's
+        body.prompt_logprobs = None
     if body.max_tokens == 0 and not body.echo and body.prompt_logprobs is None:
         raise invalid_request(
             "max_tokens 0 returns only the prompt: it needs echo or prompt_logprobs.", "max_tokens"

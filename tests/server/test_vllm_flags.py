@@ -221,6 +221,35 @@ def test_chats_own_logprobs_checks_come_before_the_cap(client_with):
     assert "not available when streaming" in streamed.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "refused"),
+    [
+        ("/v1/chat/completions", {"messages": USER, "top_logprobs": 0}, {"top_logprobs": 1}),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "stream": True, "prompt_logprobs": 0},
+            {"prompt_logprobs": 1},
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream": True, "prompt_logprobs": 0},
+            {"prompt_logprobs": 1},
+        ),
+    ],
+)
+def test_a_zero_count_that_could_show_nothing_is_accepted_and_ignored(
+    client, engine, path, body, refused
+):
+    # vLLM accepts these (a client's default of 0); nothing is computed for them.
+    response = client.post(path, json={**body, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    params = engine.requests[-1][2]
+    assert params.logprobs is None and params.prompt_logprobs is None
+    assert "logprobs" not in response.text or '"logprobs":null' in response.text.replace(" ", "")
+    answer = client.post(path, json={**body, **refused, "max_tokens": 2})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == next(iter(refused))
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_beam_search_wider_than_max_logprobs_allows_names_n(client_with, path):
     # Each beam step scores 2 x n candidates: n=3 needs 6 alternatives per token.
