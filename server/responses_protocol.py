@@ -93,7 +93,7 @@ class ResponsesRequest(_Options):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary, as vLLM's
     include: list[str] | None = None
     tools: list[ResponsesTool] | None = None
     tool_choice: str | dict[str, Any] | None = None

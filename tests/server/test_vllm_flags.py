@@ -197,6 +197,12 @@ def test_max_logprobs_sets_the_cap_each_route_names_its_own_field_against(
         ("/v1/completions", "prompt_logprobs", "prompt_logprobs", {"prompt": "hi"}),
         ("/v1/chat/completions", "top_logprobs", "logprobs", {"messages": USER, "logprobs": True}),
         ("/v1/chat/completions", "prompt_logprobs", "prompt_logprobs", {"messages": USER}),
+        (
+            "/v1/responses",
+            "top_logprobs",
+            "logprobs",
+            {"input": "hi", "include": ["message.output_text.logprobs"]},
+        ),
     ],
 )
 def test_minus_one_asks_for_the_whole_vocabulary_where_max_logprobs_allows_it(
