@@ -71,10 +71,10 @@ docker-smoke: install
 	$(PY) -m pytest tests/packaging/test_docker_smoke.py -v -s --run-docker
 
 # Wheels that benchmarks/gpu_check.sh carries to a lent GPU machine (Python 3.12 there; its image
-# lacks pydantic, and xgrammar, which the engine's tests import). The versions are this venv's,
-# so the check runs what the tests here run.
+# lacks pydantic, and xgrammar and google-re2, which the engine imports). The versions are this
+# venv's, so the check runs what the tests here run.
 GPU_WHEELS = pydantic pydantic_core annotated_types typing_inspection typing_extensions \
-	xgrammar apache-tvm-ffi
+	xgrammar apache-tvm-ffi google_re2
 gpu-wheels: install
 	rm -rf .whl && mkdir -p .whl
 	for name in $(GPU_WHEELS); do \

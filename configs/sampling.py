@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pagedserve.configs.stop_regex import MAX_STOP_REGEX_CHARS, StopRegexError, compile_stop_regex
+
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 256
@@ -117,6 +119,9 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
+    # Patterns that end the output where its text first matches one (SGLang's stop_regex;
+    # configs/stop_regex.py): cut there, as at a stop string.
+    stop_regex: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (None: any)
     # Token sequences never to complete: a sequence's last token is banned wherever the output
@@ -223,6 +228,7 @@ class SamplingParams:
                 "each stop sequence must be a non-empty string of at most "
                 f"{MAX_STOP_SEQUENCE_CHARS} characters",
             )
+        self._check_stop_regex()
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
@@ -273,6 +279,24 @@ class SamplingParams:
             "structured_outputs",
             "structured_outputs must be a StructuredOutputs",
         )
+
+    def _check_stop_regex(self) -> None:
+        _check(
+            len(self.stop_regex) <= MAX_STOP_SEQUENCES,
+            "stop_regex",
+            f"at most {MAX_STOP_SEQUENCES} stop patterns, got {len(self.stop_regex)}",
+        )
+        for pattern in self.stop_regex:
+            _check(
+                isinstance(pattern, str) and 0 < len(pattern) <= MAX_STOP_REGEX_CHARS,
+                "stop_regex",
+                "each stop_regex must be a non-empty string of at most "
+                f"{MAX_STOP_REGEX_CHARS} characters",
+            )
+            try:
+                compile_stop_regex(pattern)
+            except StopRegexError as exc:
+                raise SamplingParamsError("stop_regex", str(exc)) from None
 
     @property
     def is_greedy(self) -> bool:

@@ -1,9 +1,14 @@
-"""Incremental detokenization and stop strings: text deltas that never split a UTF-8 character
-and never leak (the start of) a stop string."""
+"""Incremental detokenization and stops: text deltas that never split a UTF-8 character and never
+leak (the start of) a stop string, or of a stop pattern's match where its length is bounded."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.configs.stop_regex import compile_stop_regex, max_match_chars
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler import Request
 
 _PROMPT_CONTEXT_TOKENS = 5  # decoding starts a few prompt tokens back, so leading spaces survive
 
@@ -21,12 +26,17 @@ class IncrementalDetokenizer:
         min_tokens: int = 0,
         stop_token_ids: frozenset[int] = frozenset(),
         skip_special_tokens: bool = True,
+        stop_regex: tuple[str, ...] = (),
     ) -> None:
         """`stop_token_ids`: the tokens that end the output once `min_tokens` are out (EOS unless
         ignored, the request's stop_token_ids); their text is left out, as a stop string's is,
         unless `include_stop_str_in_output`. Stop strings count only from the token after the
         first `min_tokens` (vLLM's rule), as EOS and stop tokens are banned until then.
-        `skip_special_tokens` false keeps special tokens' text (a template's tags)."""
+        `skip_special_tokens` false keeps special tokens' text (a template's tags).
+        `stop_regex` (SGLang's): the text ends where it first matches one, cut as at a stop
+        string, counting from the first character after `min_tokens`. Text that may begin a
+        match is held back where its length is bounded; an unbounded pattern may match text
+        already emitted, and the output then ends where it stands."""
         self.tokenizer = tokenizer
         context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
         self._token_ids = list(context)
@@ -38,12 +48,31 @@ class IncrementalDetokenizer:
         self._stop_token_ids = stop_token_ids
         self._num_output_tokens = 0
         self._skip_special_tokens = skip_special_tokens
-        self._hold = (
-            max((len(s) for s in stop), default=1) - 1
-        )  # chars that may start a stop string
+        self._patterns = tuple((pattern, compile_stop_regex(pattern)) for pattern in stop_regex)
+        self._regex_from = 0  # where in the whole output text a pattern's match may start
+        # Chars that may start a stop string, or a bounded pattern's match.
+        widths = [len(s) for s in stop] + [max_match_chars(p) or 1 for p in stop_regex]
+        self._hold = max(widths, default=1) - 1
         self._pending = ""  # decoded but not yet emitted
         self.text = ""  # everything emitted so far
         self.matched_stop: str | None = None  # the stop string that ended the text, once one has
+
+    @classmethod
+    def for_sequence(cls, tokenizer: Any, sequence: Request) -> IncrementalDetokenizer:
+        """A choice's detokenizer, as its sampling params ask: its EOS (unless ignored) and stop
+        token ids end it, its stop strings and patterns cut it."""
+        params = sequence.sampling_params
+        eos = () if params.ignore_eos else (sequence.eos_token_id,)
+        return cls(
+            tokenizer,
+            sequence.prompt_token_ids,
+            params.stop,
+            params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+            stop_token_ids=frozenset((*eos, *params.stop_token_ids)),
+            skip_special_tokens=params.skip_special_tokens,
+            stop_regex=params.stop_regex,
+        )
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
@@ -92,11 +121,18 @@ class IncrementalDetokenizer:
         when it was new, or not at all while the output had at most `min_tokens` tokens: a stop
         string lying wholly in it does not count later either (vLLM's window)."""
         if self._num_output_tokens <= self._min_tokens:
+            self._regex_from = len(self.text) + len(text)
             return text, False
-        hits = ((text.find(s, max(0, new_from - len(s) + 1)), s) for s in self._stop)
-        hit = min(((i, s) for i, s in hits if i >= 0), default=None)
-        if hit is None:
+        found = ((text.find(s, max(0, new_from - len(s) + 1)), s) for s in self._stop)
+        hits = [(index, index + len(s), s) for index, s in found if index >= 0]
+        if self._patterns:  # searched from _regex_from in the whole text: RE2, linear in it
+            whole, emitted = self.text + text, len(self.text)
+            for pattern, compiled in self._patterns:
+                match = compiled.search(whole, self._regex_from)
+                if match is not None:
+                    hits.append((max(0, match.start() - emitted), match.end() - emitted, pattern))
+        if not hits:
             return text, False
-        index, stop = hit
+        start, end, stop = min(hits)
         self.matched_stop = stop
-        return text[: index + (len(stop) if self._include_stop else 0)], True
+        return text[: end if self._include_stop else start], True

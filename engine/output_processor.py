@@ -95,16 +95,7 @@ class OutputProcessor:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
-            eos = () if params.ignore_eos else (sequence.eos_token_id,)
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                sequence.prompt_token_ids,
-                params.stop,
-                params.include_stop_str_in_output,
-                min_tokens=params.min_tokens,
-                stop_token_ids=frozenset((*eos, *params.stop_token_ids)),
-                skip_special_tokens=params.skip_special_tokens,
-            )
+            detokenizer = IncrementalDetokenizer.for_sequence(self.tokenizer, sequence)
             matcher = matchers[index] if matchers else None
             choice = ChoiceState(index, sequence, detokenizer, generator, group, matcher)
             group.choices.append(choice)

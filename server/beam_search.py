@@ -199,6 +199,7 @@ _NOT_WITH_BEAMS = {
     "prompt_logprobs": lambda body: body.prompt_logprobs is not None,
     "stop": lambda body: bool(body.stop),
     "stop_token_ids": lambda body: bool(body.stop_token_ids),
+    "stop_regex": lambda body: bool(body.stop_regex),
     "min_tokens": lambda body: body.min_tokens > 0,
     "logit_bias": lambda body: bool(body.logit_bias),
     "bad_words": lambda body: bool(body.bad_words),

@@ -42,7 +42,7 @@ UNSUPPORTED_REQUEST_FIELDS = (
     "bootstrap_port",
     "bootstrap_room",
 )
-UNSUPPORTED_SAMPLING_FIELDS = ("stop_regex", "custom_params")
+UNSUPPORTED_SAMPLING_FIELDS = ("custom_params",)
 
 
 class GenerateSamplingParams(BaseModel):
@@ -134,11 +134,13 @@ class GenerateSamplingParams(BaseModel):
             if getattr(self, name) is not None
         }
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        patterns = [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex or []
         return SamplingParams(
             **{**without_max_tokens(engine_fields.pop("defaults")), **sampled},
             n=self.n,
             min_tokens=self.min_new_tokens,
             stop=tuple(stop),
+            stop_regex=tuple(patterns),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,

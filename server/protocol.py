@@ -126,6 +126,7 @@ class SamplingFields(_Request):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None  # SGLang's: the output ends at a pattern's match
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = Field(None, max_length=1024)  # vLLM's prefix-cache isolation
@@ -199,12 +200,14 @@ class SamplingFields(_Request):
         set_here = {k: v for k, v in requested.items() if v is not None}
         optional = {**without_max_tokens(defaults or {}), **set_here}
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        patterns = [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex or []
         return SamplingParams(
             **{name: value for name, value in optional.items() if value is not None},
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             seed=self.seed,
             stop=tuple(stop),
+            stop_regex=tuple(patterns),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             bad_words_token_ids=bad_words_token_ids,
             cache_salt=self.cache_salt,

@@ -16,6 +16,7 @@ from pagedserve.configs.engine import (
 )
 from pagedserve.configs.loader import PRESETS_DIR, load_engine_config
 from pagedserve.configs.sampling import SamplingParams, SamplingParamsError
+from pagedserve.configs.stop_regex import compile_stop_regex, max_match_chars
 
 PRESETS = ("cpu-small", "cpu-large", "gpu-h200")
 
@@ -314,3 +315,21 @@ def test_served_model_name_is_one_name_or_several():
     environ = {"PAGEDSERVE_SERVED_MODEL_NAME": "c"}
     assert load_engine_config(environ=environ).model.served_model_names == ("c",)
     assert load_engine_config(environ={}).model.served_model_names == (DEFAULT_MODEL,)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "widest"),
+    [
+        (r"\n\n", 2),
+        ("(?i)end", 3),
+        (r"[A-D]\)", 2),
+        (r"a{2,5}b", 6),
+        (r"\d+", None),  # unbounded: nothing is held back for it
+        ("x.*y", None),
+        ("(ab){1,600}", None),  # past MAX_BOUNDED_MATCH_CHARS
+        (r"\pL", None),  # RE2 syntax Python cannot parse: taken as unbounded
+    ],
+)
+def test_the_longest_match_of_a_stop_pattern(pattern: str, widest: int | None):
+    assert max_match_chars(pattern) == widest
+    compile_stop_regex(pattern)  # RE2 takes every one of them

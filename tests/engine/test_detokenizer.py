@@ -189,3 +189,84 @@ def test_a_short_stop_string_held_back_before_min_tokens_does_not_end_the_output
         CharTokenizer(), [ord(">")], ("x", "longstop"), min_tokens=2
     )
     assert _feed(detokenizer, [ord(c) for c in "axbcx"]) == ("axbc", True)
+
+
+# ---- stop patterns (SGLang's stop_regex) ----------------------------------------------------------
+
+
+def _stream_patterns(tokenizer, text: str, patterns: tuple[str, ...], include: bool = False):
+    """Feed `text`'s tokens one at a time; return (deltas, hit, flushed tail, matched pattern)."""
+    detokenizer = IncrementalDetokenizer(
+        tokenizer, tokenizer.encode(PROMPT), (), include, stop_regex=patterns
+    )
+    deltas = []
+    for token_id in tokenizer.encode(text):
+        delta, hit = detokenizer.add([token_id])
+        deltas.append(delta)
+        if hit:
+            return deltas, True, "", detokenizer.matched_stop
+    tail, hit = detokenizer.flush()
+    return deltas, hit, tail, detokenizer.matched_stop
+
+
+@pytest.mark.parametrize(
+    ("text", "patterns", "include", "expected"),
+    [
+        ("Order 66 was given on day 1234.", (r"\d{4}",), False, "Order 66 was given on day "),
+        ("Order 66 was given on day 1234.", (r"\d{4}",), True, "Order 66 was given on day 1234"),
+        ("first line\n\nsecond line", (r"\n\s*\n", r"sec"), False, "first line"),
+        ("the answer is: B) because", (r"[A-D]\)",), True, "the answer is: B)"),
+        ("Ünïcödé 世界 END 東京", (r"(?i)end",), False, "Ünïcödé 世界 "),
+    ],
+)
+def test_a_bounded_pattern_is_cut_at_its_first_match_and_no_part_of_it_leaks(
+    default_tokenizer, text, patterns, include, expected
+):
+    deltas, hit, _, matched = _stream_patterns(default_tokenizer, text, patterns, include)
+    assert hit and matched in patterns
+    assert "".join(deltas) == expected
+    emitted = ""
+    for delta in deltas:  # held back while a match could still be starting
+        emitted += delta
+        assert expected.startswith(emitted), f"leaked {emitted!r} beyond {expected!r}"
+
+
+def test_an_unbounded_pattern_ends_the_output_at_once_where_it_first_matches(default_tokenizer):
+    # `Total: \d+` matches as soon as one digit is out. No length bounds its match, so nothing
+    # is held back for it: "Total: " has streamed by then, and the output ends where it stands.
+    deltas, hit, _, matched = _stream_patterns(
+        default_tokenizer, "Items: 3 apples. Total: 42 coins", (r"Total: \d+",)
+    )
+    assert hit and matched == r"Total: \d+"
+    assert "".join(deltas) == "Items: 3 apples. Total: "
+    # Bounded to a few characters, the same stop is held back and cut at the match's start.
+    deltas, hit, _, _ = _stream_patterns(
+        default_tokenizer, "Items: 3 apples. Total: 42 coins", (r"Total: \d{1,3}",)
+    )
+    assert hit and "".join(deltas) == "Items: 3 apples. "
+
+
+def test_text_that_never_matches_streams_whole(default_tokenizer):
+    deltas, hit, tail, matched = _stream_patterns(
+        default_tokenizer, "no digits here, only words", (r"\d", r"ZZ+")
+    )
+    assert not hit and matched is None
+    assert "".join(deltas) + tail == "no digits here, only words"
+
+
+def test_a_pattern_counts_only_from_the_first_character_after_min_tokens():
+    tokens = [1, 2, 3, 4, 5, 1, 2, 3, 7, 6]  # "xENDéxEND!"
+    early = IncrementalDetokenizer(PieceTokenizer(), [6], stop_regex=("EN{1,3}D",))
+    assert _feed(early, tokens) == ("x", True)
+    late = IncrementalDetokenizer(PieceTokenizer(), [6], stop_regex=("EN{1,3}D",), min_tokens=5)
+    assert _feed(late, tokens) == ("xENDéx", True)
+
+
+def test_a_backtracking_nightmare_for_pythons_re_matches_in_linear_time():
+    # Under `re`, `(x+)+!` against 40 x's and no "!" backtracks ~2**40 times per search (hours);
+    # RE2 answers each search in time linear in the text.
+    detokenizer = IncrementalDetokenizer(PieceTokenizer(), [6], stop_regex=("(x+)+!",))
+    text, hit = _feed(detokenizer, [1] * 400 + [2])
+    assert text == "x" * 400 + "E" and not hit
+    detokenizer = IncrementalDetokenizer(PieceTokenizer(), [6], stop_regex=("(x+)+!",))
+    assert _feed(detokenizer, [2] + [1] * 400 + [6]) == ("E" + "x" * 400, True)  # unbounded

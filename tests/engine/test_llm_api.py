@@ -4,6 +4,7 @@ through the tokenizer's template; outputs shaped like vLLM's `RequestOutput`/`Co
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
@@ -115,6 +116,23 @@ def test_stop_string_ends_the_text_before_it(llm):
     )
     assert output.outputs[0].finish_reason == "stop" and output.outputs[0].stop_reason == stop
     assert output.outputs[0].text == text[: text.index(stop)]
+
+
+def test_stop_regex_ends_the_text_at_its_first_match(llm):
+    # SGLang's stop_regex: whitespace, the second word's first character, then any other
+    # non-space one; the output is cut where that first appears, and the pattern is the reason.
+    full = llm.generate(
+        "List three fruits:", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    )
+    text = full[0].outputs[0].text
+    pattern = rf"\s{re.escape(text.split()[1][0])}\S"
+    (output,) = llm.generate(
+        "List three fruits:",
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop_regex=(pattern,)),
+    )
+    assert output.outputs[0].finish_reason == "stop" and output.outputs[0].stop_reason == pattern
+    cut = re.search(pattern, text)
+    assert cut is not None and output.outputs[0].text == text[: cut.start()]
 
 
 def test_chat_applies_the_template_with_the_generation_prompt(llm):

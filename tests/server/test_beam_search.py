@@ -30,6 +30,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "use_b
         ({"max_tokens": 0, "echo": True}, "max_tokens"),
         ({"stop": ["x"]}, "stop"),
         ({"stop_token_ids": [5]}, "stop_token_ids"),
+        ({"stop_regex": "x"}, "stop_regex"),
         ({"min_tokens": 1}, "min_tokens"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"repetition_penalty": 1.2}, "repetition_penalty"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
@@ -284,6 +285,34 @@ def test_stop_strings_end_the_text_before_the_stop_string(client, model, offline
     assert streamed[-1].choices[0].stop_reason == completion_stop
     assert chat.choices[0].message.content == full_chat[: full_chat.find(chat_stop)]
     assert chat.choices[0].finish_reason == "stop" and chat.choices[0].stop_reason == chat_stop
+
+
+def test_stop_regex_ends_the_text_at_its_first_match_through_the_openai_client(
+    client, model, offline
+):
+    # SGLang's stop_regex, sent as the official client sends any extension (extra_body): the
+    # middle word's first two characters after a space, escaped for RE2 as for `re`.
+    full = offline["completions"][1].outputs[0].text
+    word = _stop_string_in(full)
+    pattern = re.escape(word[:3])  # " " and two characters: a bounded match
+    expected = full[: re.search(pattern, full).start()]
+
+    def complete(stop_regex: Any = (pattern,), **extra: Any) -> Any:
+        return client.completions.create(
+            model=model,
+            prompt=COMPLETION_PROMPTS[1],
+            temperature=0,
+            max_tokens=NUM_GREEDY_TOKENS,
+            extra_body={"stop_regex": list(stop_regex)},
+            **extra,
+        )
+
+    plain, streamed = _in_parallel(complete, lambda: list(complete(stream=True)))
+    assert plain.choices[0].text == expected
+    assert plain.choices[0].finish_reason == "stop" and plain.choices[0].stop_reason == pattern
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected  # nothing leaked
+    with pytest.raises(openai.BadRequestError, match="stop_regex"):
+        complete(stop_regex=[r"(\w)\1"])  # a backreference: RE2 has none
 
 
 def test_chat_continues_a_prefilled_assistant_message(client, model, offline, server):

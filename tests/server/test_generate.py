@@ -239,7 +239,11 @@ def test_stream_interval_sends_the_first_tokens_then_every_interval(client):
             {"text": "hi", "sampling_params": {"sampling_seed": 2**63}},
             "sampling_params.sampling_seed",
         ),
-        ({"text": "hi", "sampling_params": {"stop_regex": "x"}}, "sampling_params.stop_regex"),
+        ({"text": "hi", "sampling_params": {"stop_regex": "(a)\\1"}}, "sampling_params.stop_regex"),
+        (
+            {"text": "hi", "sampling_params": {"stop_regex": ["x", "a*"]}},
+            "sampling_params.stop_regex",
+        ),
         ({"text": "hi", "sampling_params": {"beam_width": 2}}, "sampling_params.beam_width"),
         ({"text": "hi", "sampling_params": {"regex": "a", "ebnf": "b"}}, "sampling_params.ebnf"),
         ({"text": ["a", "b"], "sampling_params": [{}, {"top_p": 0}]}, "sampling_params[1].top_p"),

@@ -394,3 +394,50 @@ def test_return_prompt_text_gives_the_rendered_chat_prompt(client, stream):
     events = sse_json(response.text)
     assert events[0]["prompt_text"] == rendered
     assert all("prompt_text" not in event for event in events[1:])
+
+
+# --- stop_regex (SGLang's) --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": USER}),
+    ],
+)
+@pytest.mark.parametrize("value", [r"\d{3}", [r"\d{3}", "(?i)end"]])
+def test_stop_regex_reaches_the_engine_as_patterns(client, engine, path, body, value):
+    response = client.post(path, json={**body, "max_tokens": 2, "stop_regex": value})
+    assert response.status_code == 200, response.text
+    expected = (value,) if isinstance(value, str) else tuple(value)
+    assert engine.requests[-1][2].stop_regex == expected
+
+
+def test_stop_regex_on_generate_reaches_the_engine(client, engine):
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "stop_regex": ["a{2}"]}}
+    assert client.post("/generate", json=body).status_code == 200
+    assert engine.requests[-1][2].stop_regex == ("a{2}",)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "reason"),
+    [
+        (r"(a)\1", "not a valid RE2 pattern: invalid escape sequence"),  # a backreference
+        ("(?<=a)b", "not a valid RE2 pattern"),  # lookbehind: RE2 does not backtrack
+        ("x|", "matches the empty string"),
+        ("[a-", "not a valid RE2 pattern: missing ]"),
+        ("a" * 1025, "at most 1024 characters"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stop_regex_re2_cannot_take_is_a_400_naming_the_field(
+    client, engine, path, pattern, reason
+):
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": USER}
+    before = len(engine.requests)
+    response = client.post(path, json={**body, "stop_regex": pattern})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "stop_regex" and reason in error["message"]
+    assert len(engine.requests) == before  # nothing reached the engine
