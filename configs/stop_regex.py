@@ -3,37 +3,51 @@
 A user's pattern runs against the output on every step, so it is compiled by RE2, which matches in
 time linear in the text whatever the pattern: under Python's backtracking `re`, `(a+)+$` over a
 few dozen characters of output would stall the step loop, and every request in it, for minutes.
-RE2 leaves out what needs backtracking (backreferences, lookaround); a pattern that uses them is
-refused with RE2's reason, as is one that matches the empty string (it would end every output
-before its first character).
+Each step searches only the text a new match could occupy (`search_reach`), so a request's cost
+per step stays bounded however long its output grows. RE2 leaves out what needs backtracking
+(backreferences, lookaround); a pattern that uses them is refused with RE2's reason, as is one
+that can match the empty string (it would end an output before any text of its own). RE2's `\\d`,
+`\\w`, `\\s` and `\\b` are ASCII, unlike Python's.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import re._parser as python_regex_parser
+import warnings
 
 import re2
 
+try:  # Python's regex parser: re._parser from 3.11, sre_parse before
+    from re import _parser as _python_regex_parser
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_parse as _python_regex_parser  # type: ignore[no-redef]
+
 MAX_STOP_REGEX_CHARS = 1024  # a pattern's own length
-# Matches that may span more than this many characters count as unbounded (_hold_chars).
-MAX_BOUNDED_MATCH_CHARS = 1024
+# How far back from a step's new text a match is looked for: the whole of a match of at most this
+# many characters; an unbounded pattern (`\d+`, `.*`) is searched this far back only.
+MAX_MATCH_CHARS = 1024
 
 _OPTIONS = re2.Options()
 _OPTIONS.log_errors = False  # a user's bad pattern is a 400, not a line on the server's stderr
+# RE2's DFA cache per pattern (default 8 MiB): 16 patterns on each of 64 running requests stay
+# within ~1 GiB even if every one is built to exhaust it; the searched windows stay short.
+_OPTIONS.max_mem = 1 << 20
+# Texts a pattern must not match with zero characters (RE2 has no minimum-width query; Python's
+# parser answers it where it can read the pattern).
+_EMPTY_MATCH_PROBES = ("", "a", "a b", " ", "\n", "0", ".")
 
 
 class StopRegexError(ValueError):
-    """A stop pattern RE2 cannot compile, or one that would end every output at once."""
+    """A stop pattern RE2 cannot compile, or one that can match the empty string."""
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=128)
 def compile_stop_regex(pattern: str) -> re2._Regexp:
     """The compiled pattern (cached: the same patterns come back request after request).
 
     Raises:
-        StopRegexError: RE2 refuses it (its reason), or it matches the empty string.
+        StopRegexError: RE2 refuses it (its reason), or it can match the empty string.
     """
     try:
         compiled = re2.compile(pattern, options=_OPTIONS)
@@ -41,20 +55,41 @@ def compile_stop_regex(pattern: str) -> re2._Regexp:
         reason = exc.args[0].decode(errors="replace") if exc.args else "invalid pattern"
         message = f"stop_regex {pattern!r} is not a valid RE2 pattern: {reason}"
         raise StopRegexError(message) from None
-    if compiled.search("") is not None:
+    widths = _python_widths(pattern)
+    empty = any(_matches_empty(compiled, probe) for probe in _EMPTY_MATCH_PROBES)
+    if empty or (widths is not None and widths[0] == 0):
         raise StopRegexError(
-            f"stop_regex {pattern!r} matches the empty string, so it would end every output at once"
+            f"stop_regex {pattern!r} can match the empty string, so it would end an output "
+            "before any text of its own"
         )
     return compiled
+
+
+def _matches_empty(compiled: re2._Regexp, text: str) -> bool:
+    return any(match.start() == match.end() for match in compiled.finditer(text))
+
+
+def _python_widths(pattern: str) -> tuple[int, int] | None:
+    """(fewest, most) characters a match spans as Python's parser reads the pattern (RE2's syntax
+    is mostly the same), or None where it cannot read it."""
+    try:
+        with warnings.catch_warnings():  # e.g. a FutureWarning for RE2's [[:digit:]]
+            warnings.simplefilter("ignore")
+            return _python_regex_parser.parse(pattern).getwidth()
+    except (re.error, RecursionError, OverflowError):
+        return None
 
 
 @functools.lru_cache(maxsize=1024)
 def max_match_chars(pattern: str) -> int | None:
     """The most characters a match of `pattern` can span, or None if that is unbounded (a `*`,
-    `+` or `{n,}`) or past MAX_BOUNDED_MATCH_CHARS. Read from Python's parse of the pattern,
-    whose syntax RE2's mostly shares; a pattern Python cannot parse counts as unbounded."""
-    try:
-        _, widest = python_regex_parser.parse(pattern).getwidth()
-    except (re.error, RecursionError, OverflowError):
-        return None
-    return widest if widest <= MAX_BOUNDED_MATCH_CHARS else None
+    `+` or `{n,}`), past MAX_MATCH_CHARS, or unknown (a pattern Python's parser cannot read)."""
+    widths = _python_widths(pattern)
+    return widths[1] if widths is not None and widths[1] <= MAX_MATCH_CHARS else None
+
+
+def search_reach(pattern: str) -> int:
+    """How many characters before a step's new text a new match of `pattern` can start (one more
+    for an assertion such as `\\b` that the next character completes)."""
+    widest = max_match_chars(pattern)
+    return MAX_MATCH_CHARS if widest is None else widest + 1

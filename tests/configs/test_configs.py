@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -333,3 +334,20 @@ def test_served_model_name_is_one_name_or_several():
 def test_the_longest_match_of_a_stop_pattern(pattern: str, widest: int | None):
     assert max_match_chars(pattern) == widest
     compile_stop_regex(pattern)  # RE2 takes every one of them
+
+
+@pytest.mark.parametrize("pattern", [r"\b", r"x*\b", r"(?:abc)?\b", "$", "^", r"(?i)a?"])
+def test_a_stop_pattern_that_can_match_the_empty_string_is_refused(pattern: str):
+    # Each matches zero characters somewhere (at a word boundary, the end...): it would end an
+    # output before any text of its own.
+    with pytest.raises(SamplingParamsError, match="can match the empty string") as error:
+        SamplingParams(stop_regex=(pattern,))
+    assert error.value.param == "stop_regex"
+
+
+def test_a_posix_class_pattern_compiles_without_a_warning():
+    # Python's parser (asked only for the match's width) warns about RE2's [[:digit:]]; that
+    # must not reach the server's log.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SamplingParams(stop_regex=("[[:digit:]]{2}",))

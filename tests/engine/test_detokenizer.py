@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagedserve.configs.stop_regex import MAX_MATCH_CHARS
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 
 MULTIBYTE_TEXT = "Hi 👋🏽 世界 🚀 café — ÅÄÖ 🇯🇵 naïve 한국어 text 🧑‍🚀!"
@@ -270,3 +271,30 @@ def test_a_backtracking_nightmare_for_pythons_re_matches_in_linear_time():
     assert text == "x" * 400 + "E" and not hit
     detokenizer = IncrementalDetokenizer(PieceTokenizer(), [6], stop_regex=("(x+)+!",))
     assert _feed(detokenizer, [2] + [1] * 400 + [6]) == ("E" + "x" * 400, True)  # unbounded
+
+
+def test_a_trailing_assertion_holds_back_one_more_character():
+    # `ED\B` matches "ED" only once the character after it is out (no word boundary there); the
+    # "E" and "D" stay held back until then, so nothing of the match streams.
+    detokenizer = IncrementalDetokenizer(PieceTokenizer(), [6], stop_regex=(r"ED\B",))
+    deltas = [detokenizer.add([token])[0] for token in (1, 2, 7)]
+    assert deltas == ["", "", "x"]
+    assert detokenizer.add([1]) == ("", True)  # "xEDx": cut at the match
+    assert detokenizer.text == "x"
+
+
+def test_an_unbounded_match_is_found_after_a_long_output_within_its_reach():
+    # Each step searches only the last MAX_MATCH_CHARS characters before the new text, so a long
+    # output costs no more per step; a match that fits there is found however late it comes.
+    detokenizer = IncrementalDetokenizer(PieceTokenizer(), [6], stop_regex=(r"EN+D!",))
+    text, hit = _feed(detokenizer, [1] * 5000 + [2, 3, 3, 7, 6])
+    assert hit and text == "x" * 5000 + "ENND"  # unbounded: "ENND" streamed before "!" came
+
+
+def test_a_match_longer_than_the_reach_is_not_looked_for():
+    long_gap = [2] + [1] * (MAX_MATCH_CHARS + 10) + [7]  # "E", then x's, then "D"
+    detokenizer = IncrementalDetokenizer(PieceTokenizer(), [6], stop_regex=("Ex*D",))
+    assert _feed(detokenizer, long_gap)[1] is False
+    short_gap = [2] + [1] * 100 + [7]
+    detokenizer = IncrementalDetokenizer(PieceTokenizer(), [6], stop_regex=("Ex*D",))
+    assert _feed(detokenizer, short_gap)[1] is True

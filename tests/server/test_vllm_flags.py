@@ -251,7 +251,6 @@ def test_a_zero_count_that_could_show_nothing_is_accepted_and_ignored(
     assert response.status_code == 200, response.text
     params = engine.requests[-1][2]
     assert params.logprobs is None and params.prompt_logprobs is None
-    assert "logprobs" not in response.text or '"logprobs":null' in response.text.replace(" ", "")
     answer = client.post(path, json={**body, **refused, "max_tokens": 2})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == next(iter(refused))
 
