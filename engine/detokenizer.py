@@ -50,8 +50,7 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._patterns = tuple((p, compile_stop_regex(p), search_reach(p)) for p in stop_regex)
         self._regex_from = 0  # where in the whole output text a pattern's match may start
-        # Chars that may start a stop string, or a bounded pattern's match (and the one after it
-        # that an assertion such as `\b` may need).
+        # Chars that may start a stop string, or a bounded pattern's match (+1: a trailing `\b`).
         widths = [len(s) for s in stop] + [(max_match_chars(p) or 0) + 1 for p in stop_regex]
         self._hold = max(widths, default=1) - 1
         self._pending = ""  # decoded but not yet emitted
