@@ -32,6 +32,21 @@ def _check(condition: bool, param: str, message: str) -> None:
         raise SamplingParamsError(param, message)
 
 
+def _check_strings(values: tuple[str, ...], param: str, what: str, max_chars: int) -> None:
+    """At most MAX_STOP_SEQUENCES non-empty strings of at most `max_chars` characters each."""
+    _check(
+        len(values) <= MAX_STOP_SEQUENCES,
+        param,
+        f"at most {MAX_STOP_SEQUENCES} {what}s, got {len(values)}",
+    )
+    for value in values:
+        _check(
+            isinstance(value, str) and 0 < len(value) <= max_chars,
+            param,
+            f"each {what} must be a non-empty string of at most {max_chars} characters",
+        )
+
+
 def _finite(value: float) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
@@ -216,19 +231,13 @@ class SamplingParams:
             "min_tokens",
             f"min_tokens must be in [0, max_tokens], got {self.min_tokens}",
         )
-        _check(
-            len(self.stop) <= MAX_STOP_SEQUENCES,
-            "stop",
-            f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(self.stop)}",
-        )
-        for stop in self.stop:
-            _check(
-                isinstance(stop, str) and 0 < len(stop) <= MAX_STOP_SEQUENCE_CHARS,
-                "stop",
-                "each stop sequence must be a non-empty string of at most "
-                f"{MAX_STOP_SEQUENCE_CHARS} characters",
-            )
-        self._check_stop_regex()
+        _check_strings(self.stop, "stop", "stop sequence", MAX_STOP_SEQUENCE_CHARS)
+        _check_strings(self.stop_regex, "stop_regex", "stop pattern", MAX_STOP_REGEX_CHARS)
+        for pattern in self.stop_regex:
+            try:
+                compile_stop_regex(pattern)
+            except StopRegexError as exc:
+                raise SamplingParamsError("stop_regex", str(exc)) from None
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
@@ -279,24 +288,6 @@ class SamplingParams:
             "structured_outputs",
             "structured_outputs must be a StructuredOutputs",
         )
-
-    def _check_stop_regex(self) -> None:
-        _check(
-            len(self.stop_regex) <= MAX_STOP_SEQUENCES,
-            "stop_regex",
-            f"at most {MAX_STOP_SEQUENCES} stop patterns, got {len(self.stop_regex)}",
-        )
-        for pattern in self.stop_regex:
-            _check(
-                isinstance(pattern, str) and 0 < len(pattern) <= MAX_STOP_REGEX_CHARS,
-                "stop_regex",
-                "each stop_regex must be a non-empty string of at most "
-                f"{MAX_STOP_REGEX_CHARS} characters",
-            )
-            try:
-                compile_stop_regex(pattern)
-            except StopRegexError as exc:
-                raise SamplingParamsError("stop_regex", str(exc)) from None
 
     @property
     def is_greedy(self) -> bool:
