@@ -55,7 +55,7 @@ class IncrementalDetokenizer:
         self._hold = max(widths, default=1) - 1
         self._pending = ""  # decoded but not yet emitted
         self.text = ""  # everything emitted so far
-        self.matched_stop: str | None = None  # the stop string that ended the text, once one has
+        self.matched_stop: str | None = None  # the stop string or pattern that ended the text
 
     @classmethod
     def for_sequence(cls, tokenizer: Any, sequence: Request) -> IncrementalDetokenizer:
