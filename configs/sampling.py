@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pagedserve.configs.stop_regex import MAX_STOP_REGEX_CHARS, StopRegexError, compile_stop_regex
+from pagedserve.configs.stop_regex import MAX_STOP_REGEX_CHARS, StopRegexError, stop_pattern
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily
 MAX_STOP_SEQUENCES = 16
@@ -235,7 +235,7 @@ class SamplingParams:
         _check_strings(self.stop_regex, "stop_regex", "stop pattern", MAX_STOP_REGEX_CHARS)
         for pattern in self.stop_regex:
             try:
-                compile_stop_regex(pattern)
+                stop_pattern(pattern)  # compiled once: the detokenizer takes it from the cache
             except StopRegexError as exc:
                 raise SamplingParamsError("stop_regex", str(exc)) from None
         _check(

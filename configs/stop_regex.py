@@ -3,7 +3,7 @@
 A user's pattern runs against the output on every step, so it is compiled by RE2, which matches in
 time linear in the text whatever the pattern: under Python's backtracking `re`, `(a+)+$` over a
 few dozen characters of output would stall the step loop, and every request in it, for minutes.
-Each step searches only the text a new match could occupy (`search_reach`), so a request's cost
+Each step searches only the text a new match could occupy (`StopPattern.reach`), so a request's cost
 per step stays bounded however long its output grows. RE2 leaves out what needs backtracking
 (backreferences, lookaround); a pattern that uses them is refused with RE2's reason, as is one
 that can match the empty string (it would end an output before any text of its own). RE2's `\\d`,
@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import re
 import warnings
+from dataclasses import dataclass
 
 import re2
 
@@ -42,9 +43,8 @@ class StopRegexError(ValueError):
     """A stop pattern RE2 cannot compile, or one that can match the empty string."""
 
 
-@functools.lru_cache(maxsize=128)
 def compile_stop_regex(pattern: str) -> re2._Regexp:
-    """The compiled pattern (cached: the same patterns come back request after request).
+    """The compiled pattern (`stop_pattern` caches it).
 
     Raises:
         StopRegexError: RE2 refuses it (its reason), or it can match the empty string.
@@ -80,7 +80,6 @@ def _python_widths(pattern: str) -> tuple[int, int] | None:
         return None
 
 
-@functools.lru_cache(maxsize=1024)
 def max_match_chars(pattern: str) -> int | None:
     """The most characters a match of `pattern` can span, or None if that is unbounded (a `*`,
     `+` or `{n,}`), past MAX_MATCH_CHARS, or unknown (a pattern Python's parser cannot read)."""
@@ -88,8 +87,28 @@ def max_match_chars(pattern: str) -> int | None:
     return widths[1] if widths is not None and widths[1] <= MAX_MATCH_CHARS else None
 
 
-def search_reach(pattern: str) -> int:
-    """How many characters before a step's new text a new match of `pattern` can start (one more
-    for an assertion such as `\\b` that the next character completes)."""
+@dataclass(frozen=True, slots=True)
+class StopPattern:
+    """A stop pattern as the detokenizer uses it (`stop_pattern`)."""
+
+    text: str  # as the request gave it: the stop reason
+    compiled: re2._Regexp
+    # How many characters before a step's new text a new match can start: a bounded match's
+    # width and one more (an assertion such as `\\b` that the next character completes), or
+    # MAX_MATCH_CHARS for an unbounded pattern.
+    reach: int
+    # Characters held back from a stream because they may begin a match: a bounded match's
+    # width (as `reach`, less the one after it); none for an unbounded pattern.
+    hold: int
+
+
+@functools.lru_cache(maxsize=128)
+def stop_pattern(pattern: str) -> StopPattern:
+    """`pattern` compiled and sized (cached: the same patterns come back request after request).
+
+    Raises:
+        StopRegexError: as `compile_stop_regex`.
+    """
     widest = max_match_chars(pattern)
-    return MAX_MATCH_CHARS if widest is None else widest + 1
+    reach = MAX_MATCH_CHARS if widest is None else widest + 1
+    return StopPattern(pattern, compile_stop_regex(pattern), reach, widest or 0)

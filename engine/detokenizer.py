@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.configs.stop_regex import compile_stop_regex, max_match_chars, search_reach
+from pagedserve.configs.stop_regex import stop_pattern
 
 if TYPE_CHECKING:
+    from pagedserve.configs.stop_regex import StopPattern
     from pagedserve.scheduler import Request
 
 _PROMPT_CONTEXT_TOKENS = 5  # decoding starts a few prompt tokens back, so leading spaces survive
@@ -48,11 +49,11 @@ class IncrementalDetokenizer:
         self._stop_token_ids = stop_token_ids
         self._num_output_tokens = 0
         self._skip_special_tokens = skip_special_tokens
-        self._patterns = tuple((p, compile_stop_regex(p), search_reach(p)) for p in stop_regex)
+        self._patterns = tuple(stop_pattern(p) for p in stop_regex)
         self._regex_from = 0  # where in the whole output text a pattern's match may start
-        # Chars that may start a stop string, or a bounded pattern's match (+1: a trailing `\b`).
-        widths = [len(s) for s in stop] + [(max_match_chars(p) or 0) + 1 for p in stop_regex]
-        self._hold = max(widths, default=1) - 1
+        # Chars that may start a stop string or a pattern's match.
+        holds = [len(s) - 1 for s in stop] + [p.hold for p in self._patterns]
+        self._hold = max(holds, default=0)
         self._pending = ""  # decoded but not yet emitted
         self.text = ""  # everything emitted so far
         self.matched_stop: str | None = None  # the stop string or pattern that ended the text
@@ -125,25 +126,25 @@ class IncrementalDetokenizer:
             return text, False
         found = ((text.find(s, max(0, new_from - len(s) + 1)), s) for s in self._stop)
         hits = [(index, index + len(s), s) for index, s in found if index >= 0]
-        for pattern, compiled, reach in self._patterns:
-            span = self._search(compiled, reach, text, len(self.text) + new_from)
+        for pattern in self._patterns:
+            span = self._search(pattern, text, len(self.text) + new_from)
             if span is not None:
-                hits.append((*span, pattern))
+                hits.append((*span, pattern.text))
         if not hits:
             return text, False
         start, end, stop = min(hits)
         self.matched_stop = stop
         return text[: end if self._include_stop else start], True
 
-    def _search(self, compiled: Any, reach: int, text: str, new_at: int) -> tuple[int, int] | None:
-        """The first match of a stop pattern that new text (from `new_at` in the whole output)
-        can have completed, as (start, end) in the unemitted `text` (0 for what was emitted):
-        searched from `reach` characters before the new text, never before `_regex_from`, with
-        one more character as context for assertions. RE2: linear in that window."""
-        start = max(self._regex_from, new_at - reach)
+    def _search(self, pattern: StopPattern, text: str, new_at: int) -> tuple[int, int] | None:
+        """The first match of `pattern` that new text (from `new_at` in the whole output) can
+        have completed, as (start, end) in the unemitted `text` (0 for what was emitted):
+        searched from its reach before the new text, never before `_regex_from`, with one more
+        character as context for assertions. RE2: linear in that window."""
+        start = max(self._regex_from, new_at - pattern.reach)
         begin, emitted = start - (start > 0), len(self.text)
         window = self.text[begin:] + text if begin < emitted else text[begin - emitted :]
-        match = compiled.search(window, start - begin)
+        match = pattern.compiled.search(window, start - begin)
         if match is None:
             return None
         return max(0, begin + match.start() - emitted), max(0, begin + match.end() - emitted)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pagedserve.configs import SamplingParams, StructuredOutputs
 from pagedserve.configs.engine import without_max_tokens
 from pagedserve.server.errors import invalid_request
-from pagedserve.server.protocol import _Request
+from pagedserve.server.protocol import _Request, strings
 from pagedserve.server.structured import structural_tag
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
@@ -133,14 +133,12 @@ class GenerateSamplingParams(BaseModel):
             )
             if getattr(self, name) is not None
         }
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        patterns = [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex or []
         return SamplingParams(
             **{**without_max_tokens(engine_fields.pop("defaults")), **sampled},
             n=self.n,
             min_tokens=self.min_new_tokens,
-            stop=tuple(stop),
-            stop_regex=tuple(patterns),
+            stop=strings(self.stop),
+            stop_regex=strings(self.stop_regex),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,

@@ -29,6 +29,19 @@ def check_logprobs_cap(request: Request, **counts: int | None) -> None:
             )
 
 
+def check_streamed_prompt_logprobs(body: Any, advice: str = "") -> None:
+    """vLLM's rule: prompt logprobs that ask for something (> 0, or -1) are not streamed, a 400
+    naming the field; 0 asks for nothing a stream could show, so it is accepted and dropped
+    (nothing is computed for it)."""
+    if not body.stream:
+        return
+    if body.prompt_logprobs:
+        raise invalid_request(
+            f"prompt_logprobs is not available when streaming{advice}.", "prompt_logprobs"
+        )
+    body.prompt_logprobs = None
+
+
 def resolve_logprobs_counts(request: Request, body: Any, *names: str) -> None:
     """vLLM's -1 in the fields `names` of `body` (the whole vocabulary per token) as the
     vocabulary's size, then `check_logprobs_cap`: so only a server started with `--max-logprobs

@@ -35,6 +35,11 @@ from pagedserve.server.tool_protocol import (
 )
 
 
+def strings(value: str | list[str] | None) -> tuple[str, ...]:
+    """A field that takes one string or a list of them (`stop`, `stop_regex`), as a tuple."""
+    return (value,) if isinstance(value, str) else tuple(value or ())
+
+
 class _Request(BaseModel):
     # extra="ignore": see the module docstring; strict: no type coercion.
     model_config = ConfigDict(extra="ignore", strict=True, protected_namespaces=())
@@ -199,15 +204,13 @@ class SamplingFields(_Request):
         }
         set_here = {k: v for k, v in requested.items() if v is not None}
         optional = {**without_max_tokens(defaults or {}), **set_here}
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        patterns = [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex or []
         return SamplingParams(
             **{name: value for name, value in optional.items() if value is not None},
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             seed=self.seed,
-            stop=tuple(stop),
-            stop_regex=tuple(patterns),
+            stop=strings(self.stop),
+            stop_regex=strings(self.stop_regex),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             bad_words_token_ids=bad_words_token_ids,
             cache_salt=self.cache_salt,

@@ -17,7 +17,11 @@ from pagedserve.server.beam_search import beam_search_params
 from pagedserve.server.chat_choice import ChatChoiceText
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, Item, start_generation
-from pagedserve.server.logprobs import prompt_logprobs_body, resolve_logprobs_counts
+from pagedserve.server.logprobs import (
+    check_streamed_prompt_logprobs,
+    prompt_logprobs_body,
+    resolve_logprobs_counts,
+)
 from pagedserve.server.prompts import (
     TemplateOptions,
     bad_words_token_ids,
@@ -62,10 +66,7 @@ def _check_logprobs_fields(body: ChatCompletionRequest) -> None:
     logprobs without logprobs, prompt logprobs in a stream) is accepted and ignored, as vLLM's."""
     if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-    if body.stream and body.prompt_logprobs:
-        raise invalid_request("prompt_logprobs is not available when streaming.", "prompt_logprobs")
-    if body.stream:
-        body.prompt_logprobs = None  # 0: nothing to compute
+    check_streamed_prompt_logprobs(body)
 
 
 def _logprobs_count(body: ChatCompletionRequest) -> int | None:

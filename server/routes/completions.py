@@ -12,7 +12,12 @@ from fastapi.responses import JSONResponse, Response
 from pagedserve.server.beam_search import beam_search_params
 from pagedserve.server.errors import invalid_request
 from pagedserve.server.generation import EngineInput, Item, start_generation
-from pagedserve.server.logprobs import ChoiceText, prompt_logprobs_body, resolve_logprobs_counts
+from pagedserve.server.logprobs import (
+    ChoiceText,
+    check_streamed_prompt_logprobs,
+    prompt_logprobs_body,
+    resolve_logprobs_counts,
+)
 from pagedserve.server.prompts import (
     bad_words_token_ids,
     check_model,
@@ -41,13 +46,7 @@ def _check_supported(body: CompletionRequest) -> None:
         raise invalid_request("suffix is not supported.", "suffix")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise invalid_request("best_of must equal n (or be omitted).", "best_of")
-    if body.stream and body.prompt_logprobs:  # as vLLM: the legacy echo lists stream
-        raise invalid_request(
-            "prompt_logprobs is not available when streaming; use echo with logprobs.",
-            "prompt_logprobs",
-        )
-    if body.stream:  # 0 shows nothing in a stream: accepted and ignored, as vLLM's
-        body.prompt_logprobs = None
+    check_streamed_prompt_logprobs(body, "; use echo with logprobs")  # the legacy lists stream
     if body.max_tokens == 0 and not body.echo and body.prompt_logprobs is None:
         raise invalid_request(
             "max_tokens 0 returns only the prompt: it needs echo or prompt_logprobs.", "max_tokens"
