@@ -30,16 +30,12 @@ def check_logprobs_cap(request: Request, **counts: int | None) -> None:
 
 
 def check_streamed_prompt_logprobs(body: Any, advice: str = "") -> None:
-    """vLLM's rule: prompt logprobs that ask for something (> 0, or -1) are not streamed, a 400
-    naming the field; 0 asks for nothing a stream could show, so it is accepted and dropped
-    (nothing is computed for it)."""
-    if not body.stream:
-        return
-    if body.prompt_logprobs:
+    """Prompt logprobs are not streamed: any count, 0 included (each prompt token's own logprob),
+    is a 400 naming the field with `stream` (vLLM accepts 0 and drops what it computed)."""
+    if body.stream and body.prompt_logprobs is not None:
         raise invalid_request(
             f"prompt_logprobs is not available when streaming{advice}.", "prompt_logprobs"
         )
-    body.prompt_logprobs = None
 
 
 def resolve_logprobs_counts(request: Request, body: Any, *names: str) -> None:

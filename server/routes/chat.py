@@ -62,8 +62,8 @@ router = APIRouter()
 
 def _check_logprobs_fields(body: ChatCompletionRequest) -> None:
     """vLLM's checks of the logprobs fields, made before any count is held to --max-logprobs (so
-    -1 with stream, say, is refused for streaming). A count of 0 that could show nothing (top
-    logprobs without logprobs, prompt logprobs in a stream) is accepted and ignored, as vLLM's."""
+    -1 with stream, say, is refused for streaming). top_logprobs 0 without logprobs asks for
+    nothing and is accepted, as vLLM's."""
     if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true.", "top_logprobs")
     check_streamed_prompt_logprobs(body)
