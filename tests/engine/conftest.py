@@ -321,6 +321,42 @@ def hf_greedy_reference(
     EOS is disabled rather than banned: `min_new_tokens` would mask EOS's logit and change the
     argmax, while the engine's `ignore_eos=True` keeps sampling EOS like any other token.
     """
+    (reference,) = _hf_greedy_batch(model, [prompt_token_ids], max_new_tokens, attn_implementation)
+    return reference
+
+
+def hf_greedy_references(
+    model: torch.nn.Module, prompts: dict[str, list[int]], max_new_tokens: int
+) -> dict[str, Reference]:
+    """`hf_greedy_reference` of many prompts, those of similar lengths in one left-padded
+    `model.generate` call (a group's longest prompt is at most twice its shortest plus 64 tokens,
+    so padding never much more than doubles a group's prefill). Batched, the 20 prompts of
+    test_greedy_equality took 31 s instead of 82 one at a time, every token the same (2-core Ice
+    Lake); each row of a batch is computed as HF's batched generation computes it (masked padding,
+    positions from the attention mask)."""
+    groups: list[list[str]] = []
+    for name in sorted(prompts, key=lambda name: len(prompts[name])):
+        if not groups or len(prompts[name]) > 2 * len(prompts[groups[-1][0]]) + 64:
+            groups.append([])
+        groups[-1].append(name)
+    references = {}
+    for group in groups:
+        batch = _hf_greedy_batch(model, [prompts[name] for name in group], max_new_tokens)
+        references.update(zip(group, batch, strict=True))
+    return {name: references[name] for name in prompts}
+
+
+def _hf_greedy_batch(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    attn_implementation: str = "sdpa",
+) -> list[Reference]:
+    """One greedy `model.generate` call over `prompts`, left-padded to the longest."""
+    width = max(len(prompt) for prompt in prompts)
+    pad_token_id = 0
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     previous = model.config._attn_implementation
     previous_eos = model.generation_config.eos_token_id
     model.set_attn_implementation(attn_implementation)
@@ -329,26 +365,31 @@ def hf_greedy_reference(
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=None,
-        pad_token_id=0,
+        pad_token_id=pad_token_id,
         output_logits=True,
         return_dict_in_generate=True,
     )
     try:
         with torch.inference_mode(), hugging_face_linears(model):
-            input_ids = torch.tensor([prompt_token_ids])
             out = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                generation_config=generation_config,
+                input_ids, attention_mask=attention_mask, generation_config=generation_config
             )
     finally:
         model.set_attn_implementation(previous)
         model.generation_config.eos_token_id = previous_eos
-    token_ids = out.sequences[0, len(prompt_token_ids) :].tolist()
-    assert len(token_ids) == max_new_tokens
+    assert out.sequences.shape[1] == width + max_new_tokens
+    return [
+        _reference(out.sequences[row, width:].tolist(), [step[row] for step in out.logits])
+        for row in range(len(prompts))
+    ]
+
+
+def _reference(token_ids: list[int], logits: list[torch.Tensor]) -> Reference:
+    """The tokens and, at each position, the top-2 logprob gap and the near-tied best tokens."""
+    assert len(token_ids) == len(logits)
     near_ties, gaps = [], []
-    for logits in out.logits:
-        logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+    for row in logits:
+        logprobs = torch.log_softmax(row.float(), dim=-1)
         top2 = logprobs.topk(2).values
         gaps.append(float(top2[0] - top2[1]))
         near_ties.append(

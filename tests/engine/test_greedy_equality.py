@@ -1,7 +1,7 @@
 """The one correctness test that matters: on the default model in float32, greedy output of 20
-prompts (1 to 1,000 tokens) submitted together equals HF `generate` (one prompt at a time, sdpa)
-token for token, 64 new tokens each, across block sizes, chunked prefill, prefix-cache hits and
-preemption.
+prompts (1 to 1,000 tokens) submitted together equals HF `generate` (sdpa; prompts of similar
+lengths batched, left-padded: `hf_greedy_references`) token for token, 64 new tokens each,
+across block sizes, chunked prefill, prefix-cache hits and preemption.
 
 EOS: the engine runs with `ignore_eos=True` and HF with `eos_token_id=None`, so both produce
 exactly 64 tokens and EOS is compared like any other token (see `hf_greedy_reference`). A
@@ -18,7 +18,7 @@ from tests.engine.conftest import (
     add_requests,
     assert_matches_reference,
     greedy_params,
-    hf_greedy_reference,
+    hf_greedy_references,
     make_engine,
     record_plans,
     run_to_completion,
@@ -76,10 +76,7 @@ def prompts(default_tokenizer) -> dict[str, list[int]]:
 def references(default_hf_model, prompts):
     """HF greedy references (Hugging Face's own model, none of the loader's CPU swaps), computed
     once per session and reused for every configuration."""
-    return {
-        rid: hf_greedy_reference(default_hf_model, prompt, MAX_NEW_TOKENS)
-        for rid, prompt in prompts.items()
-    }
+    return hf_greedy_references(default_hf_model, prompts, MAX_NEW_TOKENS)
 
 
 def _whole_batch_blocks(block_size: int) -> int:
