@@ -37,3 +37,5 @@ def test_generate_prints_text(extra):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip(), "generate printed no text"
+    # One sequence: the "auto" KV budget is one request at max_model_len, not gigabytes.
+    assert "max concurrency at max_model_len 4096: 1.0 requests" in result.stderr
