@@ -293,7 +293,7 @@ def _generate(args: argparse.Namespace, config: EngineConfig, params: SamplingPa
     }
     engine_kwargs.pop("model", None)
     # One sequence runs: the "auto" KV budget then sizes itself for one request at max_model_len
-    # (190 MiB for the default model) instead of faulting in 4 GiB, 7 s of a one-off start.
+    # (180 MiB for the default model) instead of faulting in 4 GiB, 7 s of a one-off start.
     engine_kwargs.setdefault("max_num_seqs", 1)
     llm = LLM(model=config.model.model, **engine_kwargs)
     prompt = args.prompt
